@@ -1,0 +1,1 @@
+"""Subcommands of the ``turbowire`` CLI; each module exposes ``register(app)``."""
