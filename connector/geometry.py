@@ -1,0 +1,203 @@
+"""KV geometry of one engine and the staging-slot layout derived from it.
+
+A staging *slot* holds one KV block of one request, for every transferred layer (draft layers
+included), each layer as one self-describing encoded chunk at a fixed offset inside the slot. The
+scheduler (which allocates slots) and the worker (which writes and reads them) both derive the
+same layout from the same ``KVCacheConfig`` and codec, so only slot indices travel in
+``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+SLOT_ALIGN = 64  # bytes; keeps every chunk cache-line aligned inside the staging pool
+_INT_RE = re.compile(r"\d+")
+
+
+class GeometryError(ValueError):
+    """The model's KV cache cannot be transferred by this connector as configured."""
+
+
+def layer_sort_key(name: str) -> tuple[int, str]:
+    """Model order: the first integer in the layer name (``model.layers.12.self_attn.attn``)."""
+    match = _INT_RE.search(name)
+    return (int(match.group()) if match else 1 << 30, name)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer whose KV moves: its cache name, KV heads and head size."""
+
+    name: str
+    num_kv_heads: int
+    head_dim: int
+    is_draft: bool = False
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What both peers must agree on to exchange blocks (checked at the handshake)."""
+
+    layers: tuple[LayerSpec, ...]
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise GeometryError("the model has no attention layers with a KV cache to transfer")
+        if self.block_size <= 0:
+            raise GeometryError(f"block_size must be positive (got {self.block_size})")
+        head_dims = {layer.head_dim for layer in self.layers}
+        if len(head_dims) != 1:
+            raise GeometryError(
+                f"layers have different head sizes {sorted(head_dims)}; turbowire needs one "
+                "head_dim per model"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].head_dim
+
+    @property
+    def num_draft_layers(self) -> int:
+        return sum(layer.is_draft for layer in self.layers)
+
+    @property
+    def max_kv_heads(self) -> int:
+        return max(layer.num_kv_heads for layer in self.layers)
+
+    def layer_index(self) -> dict[str, int]:
+        return {layer.name: i for i, layer in enumerate(self.layers)}
+
+    def dense_bytes_per_token(self, element_size: int = 2) -> int:
+        """Bytes of K and V per token over all layers in the engine's own dtype."""
+        return sum(2 * layer.num_kv_heads * layer.head_dim * element_size for layer in self.layers)
+
+    @classmethod
+    def from_kv_cache_config(
+        cls,
+        kv_cache_config: KVCacheConfig,
+        draft_layer_names: Iterable[str] = (),
+    ) -> KVGeometry:
+        """Collect the full-attention layers of every KV cache group, in model order."""
+        from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+        draft = set(draft_layer_names)
+        layers: list[LayerSpec] = []
+        block_sizes: set[int] = set()
+        dtypes: set[str] = set()
+        for group in kv_cache_config.kv_cache_groups:
+            spec: Any = group.kv_cache_spec
+            if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, AttentionSpec):
+                raise GeometryError(
+                    f"KV cache group of {type(spec).__name__} (layers {group.layer_names[:3]}...) "
+                    "is not supported: turbowire transfers standard K/V attention caches"
+                )
+            if getattr(spec, "sliding_window", None):
+                raise GeometryError("sliding-window attention groups are not supported yet")
+            block_sizes.add(spec.block_size)
+            dtypes.add(str(spec.dtype).removeprefix("torch."))
+            for name in group.layer_names:
+                layers.append(
+                    LayerSpec(
+                        name=name,
+                        num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_size,
+                        is_draft=name in draft,
+                    )
+                )
+        if len(block_sizes) != 1 or len(dtypes) != 1:
+            raise GeometryError(
+                f"KV cache groups disagree on block size {sorted(block_sizes)} or dtype "
+                f"{sorted(dtypes)}; turbowire needs one of each"
+            )
+        layers.sort(key=lambda layer: layer_sort_key(layer.name))
+        return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop())
+
+
+def _align(n: int, a: int = SLOT_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+ChunkSizer = Callable[[int, int, int], int]  # (layer, num_tokens, num_heads) -> encoded bytes
+
+
+@dataclass(frozen=True)
+class StagingLayout:
+    """Byte layout of a staging pool made of equal slots (one KV block x all layers each)."""
+
+    layer_offsets: tuple[int, ...]
+    full_chunk_bytes: tuple[int, ...]
+    slot_bytes: int
+    num_slots: int
+    block_size: int
+
+    @classmethod
+    def build(cls, geometry: KVGeometry, sizer: ChunkSizer, pool_bytes: int) -> StagingLayout:
+        offsets: list[int] = []
+        sizes: list[int] = []
+        cursor = 0
+        for i, layer in enumerate(geometry.layers):
+            size = int(sizer(i, geometry.block_size, layer.num_kv_heads))
+            if size <= 0:
+                raise GeometryError(f"codec reported {size} bytes for a block of layer {i}")
+            offsets.append(cursor)
+            sizes.append(size)
+            cursor = _align(cursor + size)
+        slot_bytes = cursor
+        num_slots = pool_bytes // slot_bytes
+        if num_slots < 1:
+            raise GeometryError(
+                f"staging pool of {pool_bytes} bytes cannot hold one slot of {slot_bytes} bytes "
+                f"(one block x {geometry.num_layers} layers); raise staging_bytes/recv_bytes"
+            )
+        return cls(tuple(offsets), tuple(sizes), slot_bytes, num_slots, geometry.block_size)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    def chunk_offset(self, slot: int, layer: int) -> int:
+        """Byte offset of (slot, layer) in the pool; raises on out-of-range input from peers."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"staging slot {slot} out of range [0, {self.num_slots})")
+        if not 0 <= layer < len(self.layer_offsets):
+            raise IndexError(f"layer {layer} out of range [0, {len(self.layer_offsets)})")
+        return slot * self.slot_bytes + self.layer_offsets[layer]
+
+    def check_slots(self, slots: Sequence[int]) -> None:
+        bad = [s for s in slots if not isinstance(s, int) or not 0 <= s < self.num_slots]
+        if bad:
+            raise IndexError(
+                f"staging slots {bad[:5]} out of range [0, {self.num_slots}) of the prefill peer"
+            )
+
+
+def block_tag(request_id: str, block_index: int) -> int:
+    """32-bit tag written in every chunk header: which request and block the bytes belong to.
+
+    The decode side passes it as ``expected_tag``; a slot reused after a lease expired (or any
+    mix-up) is then refused instead of decoded into the wrong request.
+    """
+    return zlib.crc32(f"{request_id}\x00{block_index}".encode()) & 0x7FFFFFFF
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+def tokens_in_block(block_index: int, num_tokens: int, block_size: int) -> int:
+    """Valid tokens in block ``block_index`` of a sequence of ``num_tokens`` tokens."""
+    return max(0, min(block_size, num_tokens - block_index * block_size))

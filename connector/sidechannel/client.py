@@ -1,0 +1,151 @@
+"""Side-channel client: handshake with a peer engine and release/heartbeat its leases.
+
+gRPC errors are mapped to specific exceptions so the connector can count them by reason
+(``incompatible``, ``peer_unreachable``, ``handshake``) and say what to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
+from turbowire.connector.sidechannel import sidechannel_pb2 as pb
+from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
+from turbowire.connector.sidechannel.convert import (
+    StagingInfo,
+    record_from_proto,
+    record_to_proto,
+)
+from turbowire.connector.sidechannel.server import AUTH_HEADER, FIELD_TRAILER, MAX_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+class SideChannelError(RuntimeError):
+    """A side-channel call failed."""
+
+
+class PeerUnreachableError(SideChannelError):
+    """The peer's side channel did not answer (down, wrong host/port, timeout)."""
+
+
+class SideChannelAuthError(SideChannelError):
+    """The peer refused our token (or we sent none): set the same auth_token on both engines."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a successful handshake tells us about a prefill engine."""
+
+    engine_id: str
+    record: CompatibilityRecord
+    staging: StagingInfo
+    lease_seconds: float
+
+
+def _target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class SideChannelClient:
+    """A cached channel to one peer engine's side channel."""
+
+    def __init__(self, host: str, port: int, auth_token: str | None, timeout: float) -> None:
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
+        self._channel = grpc.insecure_channel(
+            _target(host, port),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.enable_http_proxy", 0),
+            ],
+        )
+        self._stub = pb_grpc.SideChannelStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _fail(self, what: str, err: grpc.RpcError) -> SideChannelError:
+        code = err.code() if hasattr(err, "code") else None
+        details = err.details() if hasattr(err, "details") else str(err)
+        where = f"{self.host}:{self.port}"
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return SideChannelAuthError(
+                f"{what} refused by {where}: {details} (set the same auth_token on both engines)"
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return PeerUnreachableError(f"{what}: side channel {where} unreachable ({details})")
+        return SideChannelError(f"{what} to {where} failed: {code} {details}")
+
+    def handshake(self, record: CompatibilityRecord, engine_id: str, tp_rank: int) -> PeerInfo:
+        """Exchange compatibility records; raises IncompatiblePeerError naming the field."""
+        req = pb.HandshakeRequest(
+            record=record_to_proto(record), engine_id=engine_id, tp_rank=tp_rank
+        )
+        try:
+            resp = self._stub.Handshake(req, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                field_name = dict(err.trailing_metadata() or ()).get(FIELD_TRAILER, "unknown")
+                raise IncompatiblePeerError(
+                    field_name, None, None, message=f"handshake refused: {err.details()}"
+                ) from err
+            raise self._fail("handshake", err) from err
+        theirs = record_from_proto(resp.record)
+        record.check(theirs, ("decode engine", "prefill engine"))  # both sides check
+        return PeerInfo(
+            engine_id=resp.engine_id,
+            record=theirs,
+            staging=StagingInfo.from_response(resp),
+            lease_seconds=resp.lease_seconds,
+        )
+
+    def release(self, request_ids: list[str], engine_id: str = "") -> pb.LeaseReply:
+        try:
+            return self._stub.ReleaseLease(
+                pb.LeaseRequest(request_ids=request_ids, engine_id=engine_id),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as err:
+            raise self._fail("lease release", err) from err
+
+    def heartbeat(self, request_ids: list[str], engine_id: str = "") -> pb.LeaseReply:
+        try:
+            return self._stub.Heartbeat(
+                pb.LeaseRequest(request_ids=request_ids, engine_id=engine_id),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as err:
+            raise self._fail("heartbeat", err) from err
+
+
+class ClientPool:
+    """One client per (host, port), shared by the threads of a process."""
+
+    def __init__(self, auth_token: str | None, timeout: float) -> None:
+        self._auth_token = auth_token
+        self._timeout = timeout
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._lock = threading.Lock()
+
+    def get(self, host: str, port: int) -> SideChannelClient:
+        with self._lock:
+            client = self._clients.get((host, port))
+            if client is None:
+                client = SideChannelClient(host, port, self._auth_token, self._timeout)
+                self._clients[(host, port)] = client
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()

@@ -1,0 +1,99 @@
+"""Conversions between the connector's dataclasses and the side channel's protobuf messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from turbowire.connector.compat import CompatibilityRecord
+from turbowire.connector.sidechannel import sidechannel_pb2 as pb
+
+MAX_LAYERS = 4096
+MAX_AGENT_METADATA = 16 << 20
+
+
+class SideChannelProtocolError(ValueError):
+    """A side-channel message is malformed (sizes or fields out of range)."""
+
+
+def record_to_proto(record: CompatibilityRecord) -> pb.CompatibilityRecord:
+    return pb.CompatibilityRecord(
+        model=record.model,
+        num_layers=record.num_layers,
+        num_draft_layers=record.num_draft_layers,
+        kv_heads=list(record.kv_heads),
+        head_dim=record.head_dim,
+        block_size=record.block_size,
+        dtype=record.dtype,
+        preset=record.preset,
+        format_version=record.format_version,
+        codec_format_version=record.codec_format_version,
+        tp_size=record.tp_size,
+        speculative_config=record.speculative_config,
+    )
+
+
+def record_from_proto(msg: pb.CompatibilityRecord) -> CompatibilityRecord:
+    if len(msg.kv_heads) > MAX_LAYERS:
+        raise SideChannelProtocolError(f"record lists {len(msg.kv_heads)} layers (max {MAX_LAYERS})")
+    return CompatibilityRecord(
+        model=msg.model,
+        num_layers=msg.num_layers,
+        num_draft_layers=msg.num_draft_layers,
+        kv_heads=tuple(msg.kv_heads),
+        head_dim=msg.head_dim,
+        block_size=msg.block_size,
+        dtype=msg.dtype,
+        preset=msg.preset,
+        format_version=msg.format_version,
+        codec_format_version=msg.codec_format_version,
+        tp_size=msg.tp_size,
+        speculative_config=msg.speculative_config,
+    )
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """A worker's NIXL agent and staging pool, as advertised at the handshake."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    slot_bytes: int
+    num_slots: int
+    layer_offsets: tuple[int, ...]
+    device_id: int
+    mem_type: str
+
+    def to_proto(self) -> pb.StagingGeometry:
+        return pb.StagingGeometry(
+            base_addr=self.base_addr,
+            slot_bytes=self.slot_bytes,
+            num_slots=self.num_slots,
+            layer_offsets=list(self.layer_offsets),
+            device_id=self.device_id,
+            mem_type=self.mem_type,
+        )
+
+    @classmethod
+    def from_response(cls, resp: pb.HandshakeResponse) -> StagingInfo:
+        geo = resp.staging
+        if len(resp.agent_metadata) == 0 or len(resp.agent_metadata) > MAX_AGENT_METADATA:
+            raise SideChannelProtocolError("handshake carries no (or oversized) NIXL metadata")
+        if geo.mem_type not in ("DRAM", "VRAM"):
+            raise SideChannelProtocolError(f"unknown staging memory type {geo.mem_type!r}")
+        if geo.slot_bytes == 0 or geo.num_slots == 0:
+            raise SideChannelProtocolError("peer advertises an empty staging pool")
+        if len(geo.layer_offsets) > MAX_LAYERS or any(
+            off >= geo.slot_bytes for off in geo.layer_offsets
+        ):
+            raise SideChannelProtocolError("peer layer offsets fall outside its slot")
+        return cls(
+            agent_name=resp.agent_name,
+            agent_metadata=bytes(resp.agent_metadata),
+            base_addr=geo.base_addr,
+            slot_bytes=geo.slot_bytes,
+            num_slots=geo.num_slots,
+            layer_offsets=tuple(geo.layer_offsets),
+            device_id=geo.device_id,
+            mem_type=geo.mem_type,
+        )

@@ -1,0 +1,193 @@
+"""The side-channel gRPC server of one engine (runs in the scheduler process, like NIXL's).
+
+It answers handshakes only for compatible peers (the refusal names the differing field), hands
+out the NIXL agent metadata and staging geometry of the requested worker, and releases/extends
+leases in the prefill engine's :class:`~turbowire.connector.staging.StagingPool`. With an auth
+token configured, every call must carry ``authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from turbowire.connector.compat import CompatibilityRecord
+from turbowire.connector.sidechannel import sidechannel_pb2 as pb
+from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
+from turbowire.connector.sidechannel.convert import (
+    SideChannelProtocolError,
+    StagingInfo,
+    record_from_proto,
+    record_to_proto,
+)
+
+logger = logging.getLogger(__name__)
+
+AUTH_HEADER = "authorization"
+FIELD_TRAILER = "turbowire-field"
+MAX_IDS_PER_CALL = 65536
+MAX_MESSAGE_BYTES = 32 << 20
+
+
+class LeaseHandler(Protocol):
+    def release(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]: ...
+
+    def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]: ...
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without the shared bearer token (constant-time compare)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong side-channel token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_HEADER:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+@dataclass
+class HandshakeCounters:
+    accepted: int = 0
+    refused: int = 0
+
+
+class _Servicer(pb_grpc.SideChannelServicer):
+    def __init__(self, owner: SideChannelServer) -> None:
+        self._owner = owner
+
+    def Handshake(  # noqa: N802 (gRPC naming)
+        self, request: pb.HandshakeRequest, context: grpc.ServicerContext
+    ) -> pb.HandshakeResponse:
+        owner = self._owner
+        try:
+            theirs = record_from_proto(request.record)
+        except SideChannelProtocolError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        mismatch = owner.record.mismatch(theirs, ("prefill engine", "decode engine"))
+        if mismatch is not None:
+            owner.counters.refused += 1
+            logger.warning(
+                "refused handshake from engine %s: %s", request.engine_id or "?", mismatch
+            )
+            context.set_trailing_metadata(((FIELD_TRAILER, mismatch.field_name),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(mismatch))
+        info = owner.staging.get(request.tp_rank)
+        if info is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no prefill worker with tp_rank {request.tp_rank} on engine {owner.engine_id}",
+            )
+        owner.counters.accepted += 1
+        logger.info("handshake from engine %s accepted", request.engine_id or "?")
+        return pb.HandshakeResponse(
+            engine_id=owner.engine_id,
+            record=record_to_proto(owner.record),
+            agent_metadata=info.agent_metadata,
+            agent_name=info.agent_name,
+            staging=info.to_proto(),
+            lease_seconds=owner.lease_seconds,
+        )
+
+    def _ids(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> list[str]:
+        if len(request.request_ids) > MAX_IDS_PER_CALL:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many request ids in one call")
+        return list(request.request_ids)
+
+    def ReleaseLease(  # noqa: N802
+        self, request: pb.LeaseRequest, context: grpc.ServicerContext
+    ) -> pb.LeaseReply:
+        done, unknown = self._owner.leases.release(self._ids(request, context))
+        if unknown:
+            logger.info("release for unknown/expired leases %s", unknown[:5])
+        return pb.LeaseReply(done=done, unknown=unknown)
+
+    def Heartbeat(  # noqa: N802
+        self, request: pb.LeaseRequest, context: grpc.ServicerContext
+    ) -> pb.LeaseReply:
+        done, unknown = self._owner.leases.heartbeat(self._ids(request, context))
+        return pb.LeaseReply(done=done, unknown=unknown)
+
+
+class SideChannelServer:
+    """One engine's side-channel endpoint; ``start`` binds, ``stop`` shuts down."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        record: CompatibilityRecord,
+        staging: Mapping[int, StagingInfo],
+        leases: LeaseHandler,
+        lease_seconds: float,
+        bind_host: str,
+        port: int,
+        auth_token: str | None,
+        max_workers: int = 4,
+    ) -> None:
+        self.engine_id = engine_id
+        self.record = record
+        self.staging = dict(staging)
+        self.leases = leases
+        self.lease_seconds = lease_seconds
+        self.counters = HandshakeCounters()
+        interceptors = [_AuthInterceptor(auth_token)] if auth_token else []
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tw-sidechan"),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_SideChannelServicer_to_server(_Servicer(self), self._server)
+        address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
+        bound = self._server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(
+                f"side channel cannot bind {address}: the port is in use or the address is not "
+                "local; set side_channel_port/side_channel_bind in kv_connector_extra_config"
+            )
+        self.port = bound
+        self.address = address
+
+    def start(self) -> SideChannelServer:
+        self._server.start()
+        logger.info("turbowire side channel of engine %s listening on %s", self.engine_id, self.address)
+        return self
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._server.stop(grace).wait(grace + 1.0)
+
+
+def wait_port_free(host: str, port: int, timeout: float = 5.0) -> None:
+    """Tests: wait until a server's port is released."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) != 0:
+                return
+        time.sleep(0.05)

@@ -1,0 +1,58 @@
+"""Compatibility record: each differing field is named in the refusal."""
+
+import dataclasses
+
+import pytest
+
+from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
+from turbowire.connector.geometry import KVGeometry, LayerSpec
+
+GEO = KVGeometry(
+    layers=tuple(LayerSpec(f"model.layers.{i}.self_attn.attn", 3, 64) for i in range(4)),
+    block_size=32,
+    dtype="bfloat16",
+)
+BASE = CompatibilityRecord.build(
+    model="SmolLM2-135M-Instruct",
+    geometry=GEO,
+    preset="tq4",
+    codec_format_version=1,
+    tp_size=1,
+    speculative_config=None,
+)
+
+CHANGES = {
+    "model": "other-model",
+    "num_layers": 5,
+    "num_draft_layers": 1,
+    "kv_heads": (3, 3, 3, 1),
+    "head_dim": 128,
+    "block_size": 64,
+    "dtype": "float16",
+    "preset": "raw",
+    "format_version": 99,
+    "codec_format_version": 2,
+    "tp_size": 2,
+    "speculative_config": '{"method": "eagle"}',
+}
+
+
+def test_every_field_is_checked():
+    names = {f.name for f in dataclasses.fields(CompatibilityRecord)}
+    assert names == set(CHANGES)
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_mismatch_names_field(field):
+    other = dataclasses.replace(BASE, **{field: CHANGES[field]})
+    err = BASE.mismatch(other, ("prefill engine", "decode engine"))
+    assert isinstance(err, IncompatiblePeerError)
+    assert err.field_name == field
+    assert f"{field} differs" in str(err) and "prefill engine" in str(err)
+    with pytest.raises(IncompatiblePeerError):
+        BASE.check(other)
+
+
+def test_equal_records_and_dict_roundtrip():
+    assert BASE.mismatch(dataclasses.replace(BASE)) is None
+    assert CompatibilityRecord.from_dict(BASE.to_dict()) == BASE

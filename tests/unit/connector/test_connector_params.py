@@ -1,0 +1,103 @@
+"""kv_transfer_params: NixlConnector field names, strict validation of what comes back."""
+
+import pytest
+
+from turbowire.connector.geometry import (
+    KVGeometry,
+    LayerSpec,
+    StagingLayout,
+    block_tag,
+    blocks_for_tokens,
+    tokens_in_block,
+)
+from turbowire.connector.params import (
+    RemotePrefill,
+    TransferParamsError,
+    prefill_result,
+    prompt_digest,
+)
+
+
+def _params(**over):
+    p = prefill_result(
+        engine_id="eng-p",
+        request_id="req-1",
+        host="127.0.0.1",
+        port=5700,
+        slots=[4, 5, 6],
+        num_tokens=70,
+        tp_size=1,
+        preset="tq4",
+        format_version=1,
+        prompt_hash=prompt_digest(list(range(70)), 70),
+        lease_seconds=30.0,
+        dense_bytes=1000,
+        wire_bytes=250,
+    )
+    p.update(over)
+    return p
+
+
+def test_nixl_field_names_present():
+    p = _params()
+    for key in (
+        "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id",
+        "remote_host", "remote_port", "remote_block_ids", "remote_num_tokens", "tp_size",
+    ):
+        assert key in p
+    assert p["do_remote_prefill"] is True and p["do_remote_decode"] is False
+
+
+def test_parse_roundtrip_and_hma_nesting():
+    r = RemotePrefill.parse(_params(), block_size=32)
+    assert r.slots == (4, 5, 6) and r.num_tokens == 70 and r.port == 5700
+    r2 = RemotePrefill.parse(_params(remote_block_ids=[[4, 5, 6]]), block_size=32)
+    assert r2.slots == (4, 5, 6)
+
+
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        ({"remote_engine_id": None}, "remote_engine_id is missing"),
+        ({"remote_port": "5700"}, "remote_port must be int"),
+        ({"remote_port": 0}, "not a TCP port"),
+        ({"remote_num_tokens": -1}, "out of range"),
+        ({"remote_num_tokens": True}, "got a bool"),
+        ({"remote_block_ids": [4, 5]}, "has 2 slots but remote_num_tokens=70 needs 3"),
+        ({"remote_block_ids": [4, -5, 6]}, "non-negative integers"),
+        ({"remote_block_ids": "4,5,6"}, "must be a list"),
+        ({"turbowire_preset": None}, "turbowire_preset is missing"),
+        ({"tp_size": 0}, "tp_size must be a positive integer"),
+    ],
+)
+def test_malformed_params_name_the_field(over, needle):
+    with pytest.raises(TransferParamsError, match=needle):
+        RemotePrefill.parse(_params(**over), block_size=32)
+
+
+def test_prompt_digest_depends_on_prefix_only():
+    a = prompt_digest([1, 2, 3, 4], 3)
+    assert a == prompt_digest([1, 2, 3, 9], 3)
+    assert a != prompt_digest([1, 2, 4, 4], 3)
+
+
+def test_geometry_layout_and_bounds():
+    geo = KVGeometry(
+        layers=(
+            LayerSpec("model.layers.10.self_attn.attn", 2, 64),
+            LayerSpec("model.layers.2.self_attn.attn", 2, 64),
+        ),
+        block_size=32,
+        dtype="bfloat16",
+    )
+    layout = StagingLayout.build(geo, lambda layer, tokens, heads: 1000 + layer, 10_000)
+    assert layout.layer_offsets == (0, 1024)
+    assert layout.slot_bytes == 1024 + 1024
+    assert layout.num_slots == 4
+    assert layout.chunk_offset(3, 1) == 3 * 2048 + 1024
+    with pytest.raises(IndexError, match="staging slot 4 out of range"):
+        layout.chunk_offset(4, 0)
+    with pytest.raises(IndexError, match="out of range"):
+        layout.check_slots([0, 9])
+    assert blocks_for_tokens(70, 32) == 3 and tokens_in_block(2, 70, 32) == 6
+    assert block_tag("r", 1) != block_tag("r", 2) and 0 <= block_tag("r", 1) < 2**31

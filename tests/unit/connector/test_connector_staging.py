@@ -1,0 +1,91 @@
+"""Staging pool: all-or-nothing reservation, leases, heartbeats extending, expiry freeing."""
+
+import threading
+
+import pytest
+
+from turbowire.connector.staging import StagingFullError, StagingPool
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reserve_lease_release_cycle():
+    pool = StagingPool(num_slots=8, lease_seconds=10)
+    assert pool.reserve("a", 3) == [0, 1, 2]
+    assert pool.reserve("a", 2) == [3, 4]
+    assert pool.reserve("b", 3) == [5, 6, 7]
+    with pytest.raises(StagingFullError, match="need 1 slots, 0 free of 8"):
+        pool.reserve("c", 1)
+    lease = pool.lease("a", wire_bytes=123)
+    assert lease.slots == [0, 1, 2, 3, 4]
+    assert pool.snapshot().used_slots == 8 and pool.snapshot().leases == 1
+    released, unknown = pool.release(["a", "zzz"])
+    assert released == ["a"] and unknown == ["zzz"]
+    assert pool.snapshot().used_slots == 3
+    # freed slots are reused lowest-first
+    assert pool.reserve("c", 2) == [0, 1]
+    # a second release of the same lease is a no-op reported as unknown
+    assert pool.release(["a"]) == ([], ["a"])
+
+
+def test_all_or_nothing_and_drop():
+    pool = StagingPool(num_slots=4, lease_seconds=10)
+    pool.reserve("a", 3)
+    with pytest.raises(StagingFullError):
+        pool.reserve("b", 2)
+    assert pool.snapshot().used_slots == 3  # nothing taken by the failed reservation
+    assert pool.drop("a") == 3
+    assert pool.snapshot().used_slots == 0
+
+
+def test_heartbeat_extends_and_expiry_frees():
+    clock = FakeClock()
+    pool = StagingPool(num_slots=4, lease_seconds=10, clock=clock)
+    pool.reserve("a", 2)
+    pool.reserve("b", 2)
+    pool.lease("a")
+    pool.lease("b")
+    clock.now += 8
+    assert pool.heartbeat(["a", "x"]) == (["a"], ["x"])
+    clock.now += 5  # b expired (13 s > 10 s), a extended to 118
+    expired = pool.reap()
+    assert [lease.request_id for lease in expired] == ["b"]
+    assert pool.snapshot().used_slots == 2 and pool.has_lease("a")
+    clock.now += 6
+    assert [lease.request_id for lease in pool.reap()] == ["a"]
+    assert pool.snapshot().used_slots == 0
+    assert pool.release(["a"]) == ([], ["a"])
+
+
+def test_concurrent_release_and_reserve_keep_slots_consistent():
+    pool = StagingPool(num_slots=64, lease_seconds=60)
+    errors: list[Exception] = []
+
+    def worker(tag: str) -> None:
+        try:
+            for i in range(200):
+                rid = f"{tag}-{i}"
+                try:
+                    pool.reserve(rid, 3)
+                except StagingFullError:
+                    continue
+                pool.lease(rid)
+                pool.release([rid])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(str(t),)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    snap = pool.snapshot()
+    assert snap.used_slots == 0 and snap.leases == 0
+    assert sorted(pool.reserve("final", 64)) == list(range(64))
