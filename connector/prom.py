@@ -29,6 +29,7 @@ labels. The metric names, types and labels come from :mod:`turbowire.metrics_cat
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from prometheus_client import REGISTRY
@@ -40,7 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from turbowire.connector.config import DEFAULT_PRESET
 from turbowire.connector.stats import (
+    DIRECTIONS,
     TurboWireConnectorStats,
     iter_counters,
     iter_gauges,
@@ -57,6 +60,10 @@ from turbowire.metrics_catalog import (
 
 logger = logging.getLogger(__name__)
 
+#: The transport whose series are created at start (the P2P path; others appear on first use).
+DEFAULT_TRANSPORT = "nixl"
+_LABEL_OK = re.compile(r"^[A-Za-z0-9_.:+\-]{1,64}$")
+
 _ROLE_BY_KV_ROLE = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
 
 
@@ -65,6 +72,14 @@ def role_label(vllm_config: VllmConfig) -> str:
     cfg = vllm_config.kv_transfer_config
     kv_role = getattr(cfg, "kv_role", None) if cfg is not None else None
     return _ROLE_BY_KV_ROLE.get(str(kv_role), "both")
+
+
+def configured_preset(vllm_config: VllmConfig) -> str:
+    """The codec preset named in ``kv_connector_extra_config`` (the connector's default if not)."""
+    cfg = vllm_config.kv_transfer_config
+    extra = (getattr(cfg, "kv_connector_extra_config", None) or {}) if cfg is not None else {}
+    preset = extra.get("preset", DEFAULT_PRESET)
+    return preset if isinstance(preset, str) and _LABEL_OK.match(preset) else DEFAULT_PRESET
 
 
 def _unregister_previous(names: list[str]) -> None:
@@ -101,10 +116,16 @@ class TurboWirePromMetrics(KVConnectorPromMetrics):
         self._children: dict[tuple[str, int, tuple[str, ...]], Any] = {}
         # Last gauge reading per (engine, gauge) and worker: a step may carry only some workers.
         self._gauge_readings: dict[tuple[int, str], dict[str, float]] = {}
-        # Series that exist from the first scrape, so rate() and absent() behave from the start.
+        # Series that exist (at 0) from the first scrape: rate() ignores the value a counter
+        # series first appears with, so without this the first transfer's bytes would be lost.
+        preset = configured_preset(vllm_config)
+        directions = {"producer": ("send",), "consumer": ("recv",)}.get(self.role, DIRECTIONS)
         for engine_idx in self.per_engine_labelvalues:
             for name in ("stored_bytes", "dropped_observations"):
                 self._child(name, engine_idx, ())
+            for direction in directions:
+                for name in ("dense_bytes", "wire_bytes", "transfers"):
+                    self._child(name, engine_idx, (direction, DEFAULT_TRANSPORT, preset))
 
     def _make_family(self, spec: MetricSpec, labelnames: list[str]) -> Any:
         names = labelnames + [ROLE_LABEL, *spec.labels]

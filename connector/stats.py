@@ -88,6 +88,8 @@ KNOWN_REASONS: tuple[str, ...] = (
     "incompatible",
     "staging_full",
     "store_miss",
+    "bad_params",
+    "other",
 )
 
 DIRECTIONS = ("send", "recv")
@@ -118,12 +120,22 @@ def _check_label_value(label: str, value: object) -> str:
     return value
 
 
+#: Reason label used when a caller passes something that is not a short snake_case word.
+OTHER_REASON = "other"
+
+
 def _check_reason(reason: object) -> str:
+    """A reason label, or ``"other"`` for anything else.
+
+    Why not raise: a reason can originate from a peer's ``kv_transfer_params``; a malformed one
+    must neither crash the engine loop nor mint a new label value.
+    """
     if not isinstance(reason, str) or not _REASON_RE.match(reason):
-        raise StatsLabelError(
-            f"reason {reason!r} must be a snake_case word (e.g. {', '.join(KNOWN_REASONS[:4])}); "
-            "put details in the log, not in a metric label"
+        logger.warning(
+            "turbowire stats: reason %r is not a snake_case word (e.g. %s); counted as %r",
+            str(reason)[:80], ", ".join(KNOWN_REASONS[:4]), OTHER_REASON,
         )
+        return OTHER_REASON
     return reason
 
 

@@ -14,15 +14,17 @@ from turbowire.connector.stats import TurboWireConnectorStats
 from turbowire.metrics_catalog import ENGINE_METRICS
 
 
-def _config(kv_role: str) -> SimpleNamespace:
+def _config(kv_role: str, extra: dict | None = None) -> SimpleNamespace:
     from vllm.config import KVTransferConfig
 
     return SimpleNamespace(
-        kv_transfer_config=KVTransferConfig(kv_connector="TurboWireConnector", kv_role=kv_role)
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TurboWireConnector", kv_role=kv_role, kv_connector_extra_config=extra or {}
+        )
     )
 
 
-def _build(kv_role: str = "kv_consumer", engines: int = 1):
+def _build(kv_role: str = "kv_consumer", engines: int = 1, extra: dict | None = None):
     reg = CollectorRegistry()
     types = {
         Gauge: functools.partial(Gauge, registry=reg),
@@ -30,7 +32,7 @@ def _build(kv_role: str = "kv_consumer", engines: int = 1):
         Histogram: functools.partial(Histogram, registry=reg),
     }
     labelvalues = {i: ["smollm2", str(i)] for i in range(engines)}
-    prom = build_prom_metrics(_config(kv_role), types, ["model_name", "engine"], labelvalues)
+    prom = build_prom_metrics(_config(kv_role, extra), types, ["model_name", "engine"], labelvalues)
     return reg, prom
 
 
@@ -120,7 +122,7 @@ def test_counters_accumulate_over_steps_and_ratio_holds() -> None:
         s.record_recv("nixl", "k8v4", dense_bytes=3000, wire_bytes=1100)
         prom.observe(s.clone_and_reset().to_dict())
     smp = _samples(reg)
-    lbl = dict(engine="0", role="consumer", direction="recv")
+    lbl = dict(engine="0", role="consumer", direction="recv", preset="k8v4")
     dense = _get(smp, "turbowire_kv_dense_bytes_total", **lbl)
     wire = _get(smp, "turbowire_kv_wire_bytes_total", **lbl)
     assert (dense, wire) == (15000, 5500)
@@ -131,8 +133,8 @@ def test_malformed_payload_does_not_raise() -> None:
     prom.observe({"v": 1, "counters": {"bogus|x=1": 5, "transfers|direction=send": 1}})
     prom.observe({"something": "else"})
     prom.observe({}, engine_idx=7)
-    names = {n for (n, _l) in _samples(reg)}
-    assert not any(n.startswith("turbowire_kv_transfers") for n in names)
+    transfers = [v for (n, _l), v in _samples(reg).items() if n == "turbowire_kv_transfers_total"]
+    assert transfers == [0.0]  # only the series created at start, untouched
 
 
 def test_build_kv_connector_stats_roundtrip() -> None:
@@ -157,3 +159,19 @@ def test_default_registry_rebuild_does_not_collide() -> None:
     assert REGISTRY.get_sample_value(
         "turbowire_store_stored_bytes_total", {"model_name": "m", "engine": "0", "role": "both"}
     ) == 77
+
+
+@pytest.mark.parametrize(
+    "kv_role,directions", [("kv_producer", {"send"}), ("kv_consumer", {"recv"}), ("kv_both", {"send", "recv"})]
+)
+def test_traffic_series_exist_at_zero_from_start(kv_role: str, directions: set[str]) -> None:
+    """rate() drops the value a series first appears with: the byte counters must start at 0."""
+    reg, _prom = _build(kv_role, extra={"preset": "k3v2"})
+    smp = _samples(reg)
+    for name in ("turbowire_kv_dense_bytes_total", "turbowire_kv_wire_bytes_total"):
+        found = {
+            dict(lbls)["direction"]: v
+            for (n, lbls), v in smp.items()
+            if n == name and dict(lbls)["preset"] == "k3v2" and dict(lbls)["transport"] == "nixl"
+        }
+        assert found == {d: 0.0 for d in directions}

@@ -123,7 +123,6 @@ def test_clone_and_reset_hands_over_everything() -> None:
         lambda s: s.record_send("nixl", "tq4", 1.5, 10),
         lambda s: s.record_send("ni|xl", "tq4", 1, 1),
         lambda s: s.record_send("nixl", "a" * 65, 1, 1),
-        lambda s: s.record_failure("Connection refused by 10.0.0.1"),
         lambda s: s.observe("encode_ms", 1.0),
         lambda s: s.observe("encode_seconds", -1.0),
         lambda s: s.observe("encode_seconds", float("nan")),
@@ -137,6 +136,14 @@ def test_bad_inputs_rejected(call) -> None:
     with pytest.raises(ValueError):
         call(s)
     assert s.is_empty()
+
+
+def test_malformed_reason_counts_as_other_without_raising() -> None:
+    s = TurboWireConnectorStats()
+    s.record_failure("Connection refused by 10.0.0.1")
+    s.record_fallback(None)  # type: ignore[arg-type]
+    reasons = {(n, lbl["reason"]): v for n, lbl, v in iter_counters(s.data)}
+    assert reasons == {("failures", "other"): 1, ("fallbacks", "other"): 1}
 
 
 def test_label_errors_are_value_errors() -> None:
