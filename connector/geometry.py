@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,12 +89,11 @@ class KVGeometry:
     def from_kv_cache_config(
         cls,
         kv_cache_config: KVCacheConfig,
-        draft_layer_names: Iterable[str] = (),
+        is_draft: Callable[[str], bool] = lambda name: False,
     ) -> KVGeometry:
         """Collect the full-attention layers of every KV cache group, in model order."""
         from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
-        draft = set(draft_layer_names)
         layers: list[LayerSpec] = []
         block_sizes: set[int] = set()
         dtypes: set[str] = set()
@@ -115,7 +114,7 @@ class KVGeometry:
                         name=name,
                         num_kv_heads=spec.num_kv_heads,
                         head_dim=spec.head_size,
-                        is_draft=name in draft,
+                        is_draft=is_draft(name),
                     )
                 )
         if len(block_sizes) != 1 or len(dtypes) != 1:

@@ -32,6 +32,8 @@ class Lease:
     expires_at: float
     wire_bytes: int = 0
     heartbeats: int = 0
+    consumers: int = 1  # decode workers (TP ranks) that must each release before slots free
+    released_by: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -88,27 +90,36 @@ class StagingPool:
             self._give_back(slots)
             return len(slots)
 
-    def lease(self, request_id: str, wire_bytes: int = 0) -> Lease:
+    def lease(self, request_id: str, wire_bytes: int = 0, consumers: int = 1) -> Lease:
         """Turn the reserved slots of a finished request into a lease that expires."""
         with self._lock:
             slots = self._reserved.pop(request_id, [])
-            lease = Lease(request_id, slots, self.clock() + self.lease_seconds, wire_bytes)
+            lease = Lease(
+                request_id, slots, self.clock() + self.lease_seconds, wire_bytes,
+                consumers=max(1, consumers),
+            )
             self._leases[request_id] = lease
             return lease
 
     # ---- side channel ------------------------------------------------------------------
-    def release(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
-        """The decode engine read these requests: free their slots. Returns (released, unknown)."""
+    def release(
+        self, request_ids: Iterable[str], consumer: int = 0
+    ) -> tuple[list[str], list[str]]:
+        """Decode worker ``consumer`` (its TP rank) read these requests; slots are freed once
+        every consumer released. Returns (acknowledged, unknown)."""
         released: list[str] = []
         unknown: list[str] = []
         with self._lock:
             for rid in request_ids:
-                lease = self._leases.pop(rid, None)
+                lease = self._leases.get(rid)
                 if lease is None:
                     unknown.append(rid)
                     continue
-                self._give_back(lease.slots)
+                lease.released_by.add(consumer)
                 released.append(rid)
+                if len(lease.released_by) >= lease.consumers:
+                    del self._leases[rid]
+                    self._give_back(lease.slots)
         return released, unknown
 
     def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -160,3 +171,49 @@ class StagingPool:
     def _give_back(self, slots: Iterable[int]) -> None:
         for s in slots:
             heapq.heappush(self._free, s)
+
+
+class ByteRanges:
+    """First-fit allocator of byte ranges in a receive buffer (decode side, worker thread only)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, end)
+
+    def allocate(self, nbytes: int, align: int = 64) -> int | None:
+        """Start offset of a free range of ``nbytes`` (aligned), or None if nothing fits now."""
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        for i, (start, end) in enumerate(self._free):
+            aligned = (start + align - 1) // align * align
+            if aligned + nbytes <= end:
+                pieces = []
+                if aligned > start:
+                    pieces.append((start, aligned))
+                if aligned + nbytes < end:
+                    pieces.append((aligned + nbytes, end))
+                self._free[i : i + 1] = pieces
+                return aligned
+        return None
+
+    def free(self, start: int, nbytes: int) -> None:
+        end = start + nbytes
+        if start < 0 or end > self.capacity:
+            raise ValueError(f"range [{start}, {end}) outside the buffer")
+        self._free.append((start, end))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, e in self._free:
+            if merged and s < merged[-1][1]:
+                raise ValueError(f"double free of range [{s}, {e})")
+            if merged and s == merged[-1][1]:
+                merged[-1] = (merged[-1][0], e)
+            else:
+                merged.append((s, e))
+        self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(e - s for s, e in self._free)

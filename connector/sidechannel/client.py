@@ -106,10 +106,12 @@ class SideChannelClient:
             lease_seconds=resp.lease_seconds,
         )
 
-    def release(self, request_ids: list[str], engine_id: str = "") -> pb.LeaseReply:
+    def release(
+        self, request_ids: list[str], engine_id: str = "", tp_rank: int = 0
+    ) -> pb.LeaseReply:
         try:
             return self._stub.ReleaseLease(
-                pb.LeaseRequest(request_ids=request_ids, engine_id=engine_id),
+                pb.LeaseRequest(request_ids=request_ids, engine_id=engine_id, tp_rank=tp_rank),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )

@@ -37,7 +37,9 @@ MAX_MESSAGE_BYTES = 32 << 20
 
 
 class LeaseHandler(Protocol):
-    def release(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]: ...
+    def release(
+        self, request_ids: Iterable[str], consumer: int = 0
+    ) -> tuple[list[str], list[str]]: ...
 
     def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]: ...
 
@@ -117,7 +119,7 @@ class _Servicer(pb_grpc.SideChannelServicer):
     def ReleaseLease(  # noqa: N802
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
-        done, unknown = self._owner.leases.release(self._ids(request, context))
+        done, unknown = self._owner.leases.release(self._ids(request, context), request.tp_rank)
         if unknown:
             logger.info("release for unknown/expired leases %s", unknown[:5])
         return pb.LeaseReply(done=done, unknown=unknown)

@@ -89,3 +89,32 @@ def test_concurrent_release_and_reserve_keep_slots_consistent():
     snap = pool.snapshot()
     assert snap.used_slots == 0 and snap.leases == 0
     assert sorted(pool.reserve("final", 64)) == list(range(64))
+
+
+def test_lease_with_two_consumers_frees_after_both_released():
+    pool = StagingPool(num_slots=4, lease_seconds=10)
+    pool.reserve("a", 2)
+    pool.lease("a", consumers=2)
+    assert pool.release(["a"], consumer=0) == (["a"], [])
+    assert pool.snapshot().used_slots == 2  # rank 1 still reading
+    pool.release(["a"], consumer=0)  # a repeated release by the same rank changes nothing
+    assert pool.snapshot().used_slots == 2
+    pool.release(["a"], consumer=1)
+    assert pool.snapshot().used_slots == 0 and not pool.has_lease("a")
+
+
+def test_byte_ranges_first_fit_merge_and_double_free():
+    from turbowire.connector.staging import ByteRanges
+
+    r = ByteRanges(1024)
+    a = r.allocate(100)
+    b = r.allocate(100)
+    assert (a, b) == (0, 128)
+    assert r.allocate(2000) is None
+    r.free(a, 100)
+    assert r.allocate(50) == 0  # reuses the hole
+    r.free(0, 50)
+    r.free(b, 100)
+    assert r.free_bytes == 1024
+    with pytest.raises(ValueError, match="double free"):
+        r.free(0, 10)

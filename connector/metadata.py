@@ -1,0 +1,145 @@
+"""Per-step messages between the connector's scheduler side and worker side.
+
+``TurboWireConnectorMetadata`` goes scheduler -> worker every step (what to encode into which
+staging slots, what to load from which peer into which blocks). ``TurboWireWorkerMeta`` goes
+worker -> scheduler (per-request load reports, merged across TP workers by ``aggregate``).
+Both stay inside one engine (vLLM serializes them between its own processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class SaveBlock:
+    """Encode tokens [0, num_tokens) of paged block ``block_id`` (request block ``index``)."""
+
+    index: int
+    block_id: int
+    num_tokens: int
+    slot: int
+    tag: int
+
+
+@dataclass
+class SaveRequest:
+    request_id: str
+    blocks: list[SaveBlock]
+
+
+@dataclass
+class LoadBlock:
+    """Read request block ``index`` from remote ``slot`` and decode it into ``block_id``."""
+
+    index: int
+    block_id: int
+    num_tokens: int
+    slot: int
+    tag: int
+
+
+@dataclass
+class PeerAddress:
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.engine_id, self.host, self.port)
+
+
+@dataclass
+class LoadRequest:
+    """One request's load (or, with no blocks, only the lease release a prefill engine waits for)."""
+
+    request_id: str
+    remote_request_id: str
+    peer: PeerAddress
+    blocks: list[LoadBlock]
+    preset: str
+
+    @property
+    def release_only(self) -> bool:
+        return not self.blocks
+
+
+@dataclass
+class TurboWireConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveRequest] = field(default_factory=list)
+    loads: list[LoadRequest] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.saves and not self.loads
+
+
+@dataclass
+class LoadReport:
+    """What one worker measured for one request's load (sent back for kv_transfer_params)."""
+
+    tokens: int = 0
+    dense_bytes: int = 0
+    wire_bytes: int = 0
+    transfer_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    handshake_seconds: float = 0.0
+    failed: str | None = None
+
+    def merge(self, other: LoadReport) -> LoadReport:
+        """Combine TP ranks: bytes add up, times take the slowest rank."""
+        return LoadReport(
+            tokens=max(self.tokens, other.tokens),
+            dense_bytes=self.dense_bytes + other.dense_bytes,
+            wire_bytes=self.wire_bytes + other.wire_bytes,
+            transfer_seconds=max(self.transfer_seconds, other.transfer_seconds),
+            decode_seconds=max(self.decode_seconds, other.decode_seconds),
+            handshake_seconds=max(self.handshake_seconds, other.handshake_seconds),
+            failed=self.failed or other.failed,
+        )
+
+    def as_params(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "dense_bytes": self.dense_bytes,
+            "wire_bytes": self.wire_bytes,
+            "transfer_ms": round(self.transfer_seconds * 1e3, 3),
+            "decode_ms": round(self.decode_seconds * 1e3, 3),
+            "handshake_ms": round(self.handshake_seconds * 1e3, 3),
+            "failed": self.failed,
+        }
+
+
+@dataclass
+class TurboWireWorkerMeta(KVConnectorWorkerMetadata):
+    reports: dict[str, LoadReport] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, TurboWireWorkerMeta):
+            return self
+        merged = dict(self.reports)
+        for rid, report in other.reports.items():
+            merged[rid] = merged[rid].merge(report) if rid in merged else report
+        return TurboWireWorkerMeta(merged)
+
+
+@dataclass
+class TurboWireHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A worker's NIXL agent and staging pool, handed to the scheduler's side channel."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    slot_bytes: int
+    num_slots: int
+    layer_offsets: list[int]
+    device_id: int
+    mem_type: str

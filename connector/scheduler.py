@@ -1,0 +1,565 @@
+"""Scheduler side of the connector: what to encode, what to load, leases, kv_transfer_params.
+
+Prefill role (``do_remote_decode`` requests): every step, the blocks that became complete (and,
+when the prompt is done, the partial last block) get staging slots and an encode order for the
+worker. A full pool is back-pressure: the request falls back to local recompute on the decode
+engine (``turbowire_fallback``), its slots are returned, and the fallback is counted.
+``request_finished`` frees the dense blocks at once and turns the slots into a lease.
+
+Decode role (``do_remote_prefill`` requests): ``get_num_new_matched_tokens`` announces the
+remote tokens (async load) after validating the params; ``update_state_after_alloc`` queues the
+load into the newly allocated blocks; heartbeats keep the prefill lease alive while the request
+waits; load reports from the workers are returned in the finished request's params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from turbowire.connector.codecs import codec_format_version, make_codec
+from turbowire.connector.compat import CompatibilityRecord, model_identity, speculative_factors
+from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.geometry import (
+    KVGeometry,
+    StagingLayout,
+    block_tag,
+    blocks_for_tokens,
+    layer_sort_key,
+    tokens_in_block,
+)
+from turbowire.connector.metadata import (
+    LoadBlock,
+    LoadReport,
+    LoadRequest,
+    PeerAddress,
+    SaveBlock,
+    SaveRequest,
+    TurboWireConnectorMetadata,
+    TurboWireHandshakeMetadata,
+    TurboWireWorkerMeta,
+)
+from turbowire.connector.params import (
+    RemotePrefill,
+    TransferParamsError,
+    is_remote_decode,
+    is_remote_prefill,
+    prefill_result,
+    prompt_digest,
+)
+from turbowire.connector.staging import StagingFullError, StagingPool
+from turbowire.connector.stats import TurboWireConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+TRANSPORT = "nixl"
+MAINTENANCE_PERIOD_S = 0.5
+
+
+@dataclass
+class SendState:
+    """A prefill request whose KV is being staged."""
+
+    request: Request
+    encoded_blocks: int = 0
+    fallback: str | None = None
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+
+
+@dataclass
+class HeartbeatTarget:
+    host: str
+    port: int
+    remote_request_id: str
+    interval: float
+    last_sent: float = field(default_factory=time.monotonic)
+
+
+class TurboWireScheduler:
+    """Scheduler-side state of one engine (both roles, ``kv_both`` does both)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        config: TurboWireConfig,
+        engine_id: str,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.config = config
+        self.engine_id = engine_id
+        ktc = vllm_config.kv_transfer_config
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.is_consumer = bool(ktc.is_kv_consumer)
+        self.geometry = KVGeometry.from_kv_cache_config(
+            kv_cache_config, draft_layer_predicate(vllm_config)
+        )
+        self.block_size = self.geometry.block_size
+        self.codec = make_codec(config.preset, self.geometry)
+        self.layout = StagingLayout.build(
+            self.geometry, self.codec.encoded_nbytes, config.staging_bytes
+        )
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.record = CompatibilityRecord.build(
+            model=model_identity(vllm_config),
+            geometry=self.geometry,
+            preset=config.preset,
+            codec_format_version=codec_format_version(),
+            tp_size=self.tp_size,
+            speculative_config=speculative_factors(vllm_config),
+        )
+        self.side_channel_port = (
+            config.side_channel_port + vllm_config.parallel_config.data_parallel_index
+        )
+        self.pool = StagingPool(self.layout.num_slots, config.lease_seconds)
+        self.stats = TurboWireConnectorStats()
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._send: dict[str, SendState] = {}
+        self._pending_loads: list[LoadRequest] = []
+        self._load_queued: set[str] = set()
+        self._parsed: dict[str, RemotePrefill | None] = {}
+        self._reports: dict[str, LoadReport] = {}
+        self._heartbeats: dict[str, HeartbeatTarget] = {}
+        self._hb_lock = threading.Lock()
+        self._server: Any = None
+        self._clients: Any = None
+        self._stop = threading.Event()
+        self._maintenance: threading.Thread | None = None
+        self._publish_gauges()
+        logger.info(
+            "turbowire scheduler: engine %s, preset %s, %d layers (%d draft), block %d tokens, "
+            "staging %d slots x %d B",
+            engine_id,
+            config.preset,
+            self.geometry.num_layers,
+            self.geometry.num_draft_layers,
+            self.block_size,
+            self.layout.num_slots,
+            self.layout.slot_bytes,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+
+    def set_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Workers registered their staging pools: serve them on the side channel."""
+        from turbowire.connector.sidechannel.convert import StagingInfo
+        from turbowire.connector.sidechannel.server import SideChannelServer
+
+        staging: dict[int, StagingInfo] = {}
+        for (pp_rank, tp_rank), meta in metadata.items():
+            if pp_rank != 0:
+                raise ValueError("turbowire does not support pipeline-parallel KV transfer yet")
+            if not isinstance(meta, TurboWireHandshakeMetadata):
+                raise TypeError(f"unexpected handshake metadata {type(meta).__name__}")
+            staging[tp_rank] = StagingInfo(
+                agent_name=meta.agent_name,
+                agent_metadata=meta.agent_metadata,
+                base_addr=meta.base_addr,
+                slot_bytes=meta.slot_bytes,
+                num_slots=meta.num_slots,
+                layer_offsets=tuple(meta.layer_offsets),
+                device_id=meta.device_id,
+                mem_type=meta.mem_type,
+            )
+            if meta.slot_bytes != self.layout.slot_bytes or meta.num_slots != self.layout.num_slots:
+                raise RuntimeError(
+                    "worker staging layout differs from the scheduler's "
+                    f"({meta.num_slots}x{meta.slot_bytes} vs "
+                    f"{self.layout.num_slots}x{self.layout.slot_bytes})"
+                )
+        if self._server is None and staging and self.is_producer:
+            self._server = SideChannelServer(
+                engine_id=self.engine_id,
+                record=self.record,
+                staging=staging,
+                leases=self.pool,
+                lease_seconds=self.config.lease_seconds,
+                bind_host=self.config.side_channel_bind,
+                port=self.side_channel_port,
+                auth_token=self.config.auth_token,
+            ).start()
+        self._start_maintenance()
+
+    def _start_maintenance(self) -> None:
+        if self._maintenance is None:
+            self._maintenance = threading.Thread(
+                target=self._maintenance_loop, name="tw-maintenance", daemon=True
+            )
+            self._maintenance.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._maintenance is not None:
+            self._maintenance.join(timeout=2)
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self._clients is not None:
+            self._clients.close()
+
+    # ------------------------------------------------------------------ both roles
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if self.is_producer and is_remote_decode(params):
+            self._send[request.request_id] = SendState(request)
+        elif self.is_consumer and is_remote_prefill(params):
+            remote = self._parse(request)
+            if remote is not None and remote.slots:
+                with self._hb_lock:
+                    self._heartbeats[request.request_id] = HeartbeatTarget(
+                        host=remote.host,
+                        port=remote.port,
+                        remote_request_id=remote.request_id,
+                        interval=max(0.5, float(params.get("turbowire_lease_seconds") or 30) / 3),
+                    )
+            self._start_maintenance()
+
+    def build_connector_meta(self, scheduler_output: Any) -> TurboWireConnectorMetadata:
+        meta = TurboWireConnectorMetadata()
+        if self._send:
+            for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+                state = self._send.get(req_id)
+                if state is not None and state.fallback is None:
+                    save = self._plan_save(state, num_scheduled)
+                    if save is not None:
+                        meta.saves.append(save)
+        if self._pending_loads:
+            meta.loads = self._pending_loads
+            self._pending_loads = []
+        self._reap()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            self._stop_heartbeat(req_id)
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, TurboWireWorkerMeta):
+            for req_id, report in worker_meta.reports.items():
+                prev = self._reports.get(req_id)
+                self._reports[req_id] = prev.merge(report) if prev else report
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Dense blocks are always freed now (False); the compressed copy waits under a lease."""
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        self._parsed.pop(req_id, None)
+        if self.is_consumer and is_remote_prefill(params):
+            self._stop_heartbeat(req_id)
+            if req_id not in self._load_queued:
+                # Aborted before it was scheduled: the prefill engine still waits for a release.
+                self._queue_release_only(request)
+            self._load_queued.discard(req_id)
+            report = self._reports.pop(req_id, None)
+            if report is not None:
+                return False, {"turbowire_load": report.as_params()}
+            return False, None
+        state = self._send.pop(req_id, None)
+        if state is None:
+            return False, None
+        return False, self._finish_send(state)
+
+    def get_stats(self) -> TurboWireConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        return self.stats.clone_and_reset()
+
+    # ------------------------------------------------------------------ decode role
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Remote prompt tokens beyond the local prefix hit; side-effect free (cached parse)."""
+        if not self.is_consumer or not is_remote_prefill(request.kv_transfer_params):
+            return 0, False
+        if request.request_id in self._load_queued:
+            return 0, False
+        remote = self._parse(request)
+        if remote is None or remote.num_tokens == 0:
+            return 0, False
+        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        if count <= 0 or count < self.config.min_transfer_tokens:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        if (
+            not self.is_consumer
+            or not is_remote_prefill(request.kv_transfer_params)
+            or req_id in self._load_queued
+        ):
+            return
+        remote = self._parse(request)
+        if remote is None:
+            return
+        self._load_queued.add(req_id)
+        peer = PeerAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
+        if num_external_tokens <= 0:
+            if remote.slots:  # full local hit (or declined): only let the prefill engine go
+                self._pending_loads.append(
+                    LoadRequest(req_id, remote.request_id, peer, [], remote.preset)
+                )
+            return
+        total = min(remote.num_tokens, request.num_prompt_tokens)
+        first_token = total - num_external_tokens
+        first_block = first_token // self.block_size
+        last_block = blocks_for_tokens(total, self.block_size)
+        group = blocks.blocks[0]
+        if len(group) < last_block:
+            logger.error(
+                "request %s: %d local blocks allocated, %d needed; loading nothing",
+                req_id, len(group), last_block,
+            )
+            self._pending_loads.append(LoadRequest(req_id, remote.request_id, peer, [], remote.preset))
+            return
+        load_blocks = [
+            LoadBlock(
+                index=i,
+                block_id=group[i].block_id,
+                num_tokens=tokens_in_block(i, total, self.block_size),
+                slot=remote.slots[i],
+                tag=block_tag(remote.request_id, i),
+            )
+            for i in range(first_block, last_block)
+        ]
+        self._pending_loads.append(
+            LoadRequest(req_id, remote.request_id, peer, load_blocks, remote.preset)
+        )
+
+    def _parse(self, request: Request) -> RemotePrefill | None:
+        """Validate a decode request's params once; malformed ones are logged and recomputed."""
+        req_id = request.request_id
+        if req_id in self._parsed:
+            return self._parsed[req_id]
+        params = request.kv_transfer_params or {}
+        remote: RemotePrefill | None
+        try:
+            remote = RemotePrefill.parse(params, self.block_size)
+        except TransferParamsError as exc:
+            logger.error("request %s: %s; its prompt is recomputed locally", req_id, exc)
+            self.stats.record_failure("bad_params")
+            remote = None
+        else:
+            problem = self._decline_reason(request, remote)
+            if problem is not None:
+                reason, message = problem
+                logger.warning("request %s: %s; its prompt is recomputed locally", req_id, message)
+                if reason == "fallback":
+                    self.stats.record_fallback(remote.fallback or "unknown")
+                else:
+                    self.stats.record_failure(reason)
+                # Load nothing, but keep the slots so the prefill engine's lease is released.
+                remote = dataclasses.replace(remote, num_tokens=0)
+        self._parsed[req_id] = remote
+        return remote
+
+    def _decline_reason(self, request: Request, remote: RemotePrefill) -> tuple[str, str] | None:
+        if remote.fallback:
+            return "fallback", f"prefill engine sent no KV ({remote.fallback})"
+        if remote.preset != self.config.preset:
+            return (
+                "incompatible",
+                f"prefill preset {remote.preset!r} differs from this engine's "
+                f"{self.config.preset!r}",
+            )
+        if remote.tp_size != self.tp_size:
+            return "incompatible", f"prefill tp_size {remote.tp_size} != {self.tp_size}"
+        if remote.prompt_hash is not None and request.prompt_token_ids is not None:
+            n = min(remote.num_tokens, request.num_prompt_tokens)
+            if prompt_digest(request.prompt_token_ids, n) != remote.prompt_hash:
+                return "prompt_mismatch", "prompt tokens differ from the prefill engine's"
+        return None
+
+    def _queue_release_only(self, request: Request) -> None:
+        remote = self._parse(request)
+        if remote is None or not remote.slots:
+            return
+        peer = PeerAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
+        self._pending_loads.append(
+            LoadRequest(request.request_id, remote.request_id, peer, [], remote.preset)
+        )
+
+    def _stop_heartbeat(self, req_id: str) -> None:
+        with self._hb_lock:
+            self._heartbeats.pop(req_id, None)
+
+    # ------------------------------------------------------------------ prefill role
+    def _plan_save(self, state: SendState, num_scheduled: int) -> SaveRequest | None:
+        request = state.request
+        prompt_len = request.num_prompt_tokens
+        computed_after = request.num_computed_tokens + num_scheduled
+        if computed_after >= prompt_len:
+            target_blocks = blocks_for_tokens(prompt_len, self.block_size)
+        else:
+            target_blocks = computed_after // self.block_size
+        new = range(state.encoded_blocks, target_blocks)
+        if not new:
+            return None
+        try:
+            slots = self.pool.reserve(request.request_id, len(new))
+        except StagingFullError as exc:
+            logger.warning(
+                "request %s: %s; the decode engine recomputes its prompt", request.request_id, exc
+            )
+            self.pool.drop(request.request_id)
+            state.fallback = "staging_full"
+            self.stats.record_fallback("staging_full")
+            return None
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        blocks = []
+        for i, slot in zip(new, slots, strict=True):
+            n = tokens_in_block(i, prompt_len, self.block_size)
+            blocks.append(
+                SaveBlock(
+                    index=i,
+                    block_id=block_ids[i],
+                    num_tokens=n,
+                    slot=slot,
+                    tag=block_tag(request.request_id, i),
+                )
+            )
+            state.wire_bytes += sum(
+                self.codec.encoded_nbytes(layer, n, spec.num_kv_heads)
+                for layer, spec in enumerate(self.geometry.layers)
+            )
+            state.dense_bytes += n * self.geometry.dense_bytes_per_token(self._element_size())
+        state.encoded_blocks = target_blocks
+        self._publish_gauges()
+        return SaveRequest(request.request_id, blocks)
+
+    def _finish_send(self, state: SendState) -> dict[str, Any] | None:
+        from vllm.v1.request import RequestStatus
+
+        request = state.request
+        req_id = request.request_id
+        if request.status not in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        ):
+            self.pool.drop(req_id)
+            self._publish_gauges()
+            return None
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        expected_blocks = blocks_for_tokens(request.num_prompt_tokens, self.block_size)
+        if state.fallback is None and state.encoded_blocks != expected_blocks:
+            state.fallback = "incomplete"
+            self.stats.record_fallback("incomplete")
+            logger.warning(
+                "request %s finished with %d of %d blocks staged", req_id,
+                state.encoded_blocks, expected_blocks,
+            )
+        common = dict(
+            engine_id=self.engine_id,
+            request_id=req_id,
+            host=self.config.side_channel_host,
+            port=self.side_channel_port,
+            tp_size=self.tp_size,
+            preset=self.config.preset,
+            format_version=self.record.format_version,
+            lease_seconds=self.config.lease_seconds,
+        )
+        if state.fallback is not None:
+            self.pool.drop(req_id)
+            self._publish_gauges()
+            return prefill_result(
+                **common, slots=[], num_tokens=0, prompt_hash=None, dense_bytes=0,
+                wire_bytes=0, fallback=state.fallback,
+            )
+        num_tokens = request.num_prompt_tokens
+        lease = self.pool.lease(req_id, state.wire_bytes, consumers=self.tp_size)
+        self._publish_gauges()
+        prompt = request.prompt_token_ids or []
+        return prefill_result(
+            **common,
+            slots=lease.slots,
+            num_tokens=num_tokens,
+            prompt_hash=prompt_digest(prompt, num_tokens) if prompt else None,
+            dense_bytes=state.dense_bytes,
+            wire_bytes=state.wire_bytes,
+        )
+
+    def _element_size(self) -> int:
+        import torch
+
+        return torch.empty((), dtype=getattr(torch, self.geometry.dtype)).element_size()
+
+    def _reap(self) -> None:
+        expired = self.pool.reap()
+        for _ in expired:
+            self.stats.record_failure("lease_expired")
+        if expired:
+            self._publish_gauges()
+
+    def _publish_gauges(self) -> None:
+        snap = self.pool.snapshot()
+        self.stats.set_gauge("staging_bytes_in_use", snap.used_slots * self.layout.slot_bytes)
+        self.stats.set_gauge("staging_capacity_bytes", self.layout.pool_bytes)
+        self.stats.set_gauge("leases_outstanding", snap.leases)
+
+    # ------------------------------------------------------------------ background
+    def _maintenance_loop(self) -> None:
+        """Reap expired leases (prefill) and send heartbeats for waiting loads (decode)."""
+        while not self._stop.wait(MAINTENANCE_PERIOD_S):
+            try:
+                if self.is_producer:
+                    self._reap()
+                if self.is_consumer:
+                    self._send_heartbeats()
+            except Exception:  # noqa: BLE001 - a background hiccup must not kill the engine
+                logger.exception("turbowire maintenance step failed")
+
+    def _send_heartbeats(self) -> None:
+        now = time.monotonic()
+        due: dict[tuple[str, int], list[str]] = {}
+        with self._hb_lock:
+            for target in self._heartbeats.values():
+                if now - target.last_sent >= target.interval:
+                    target.last_sent = now
+                    due.setdefault((target.host, target.port), []).append(
+                        target.remote_request_id
+                    )
+        if not due:
+            return
+        if self._clients is None:
+            from turbowire.connector.sidechannel.client import ClientPool
+
+            self._clients = ClientPool(self.config.auth_token, self.config.handshake_timeout_seconds)
+        for (host, port), ids in due.items():
+            try:
+                reply = self._clients.get(host, port).heartbeat(ids, self.engine_id)
+            except Exception as exc:  # noqa: BLE001 - logged and counted, retried next period
+                logger.warning("heartbeat to %s:%d failed: %s", host, port, exc)
+                self.stats.record_failure("peer_unreachable")
+                continue
+            if reply.unknown:
+                logger.warning(
+                    "prefill engine %s:%d no longer holds leases %s (expired?)",
+                    host, port, list(reply.unknown)[:5],
+                )
+
+
+def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:
+    """Which KV layers belong to a draft model (EAGLE/MTP/draft-model speculative decoding):
+    vLLM numbers them after the target model's layers."""
+    spec = vllm_config.speculative_config
+    if spec is None or getattr(spec, "method", None) in (None, "ngram", "suffix"):
+        return lambda name: False
+    target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    return lambda name: layer_sort_key(name)[0] >= target_layers

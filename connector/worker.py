@@ -1,0 +1,583 @@
+"""Worker side of the connector: encode into staging (prefill), READ + verify + decode (decode).
+
+Prefill: ``save_kv_layer`` encodes the planned blocks of each layer into the NIXL-registered
+staging pool as soon as that layer's attention ran; ``wait_for_save`` covers layers vLLM did not
+hand over (e.g. a draft model's) and synchronizes the device so the bytes are final before the
+scheduler publishes them.
+
+Decode: each load handshakes with the prefill engine once (cached per peer, in a thread so the
+engine loop never blocks on the network), READs exactly the chunk bytes of the needed
+(block, layer) pairs into a receive buffer, tells the prefill engine to release its lease, then
+decodes every chunk (magic, version, preset, geometry, tag and checksum verified by the codec)
+into the blocks vLLM allocated. Any failure lands in ``failed_recving``; vLLM applies
+``kv_load_failure_policy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from turbowire.connector.codecs import codec_format_version, make_codec
+from turbowire.connector.compat import CompatibilityRecord, model_identity, speculative_factors
+from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.geometry import GeometryError, KVGeometry, StagingLayout
+from turbowire.connector.metadata import (
+    LoadReport,
+    LoadRequest,
+    PeerAddress,
+    SaveRequest,
+    TurboWireConnectorMetadata,
+    TurboWireHandshakeMetadata,
+    TurboWireWorkerMeta,
+)
+from turbowire.connector.scheduler import TRANSPORT, draft_layer_predicate
+from turbowire.connector.staging import ByteRanges
+from turbowire.connector.stats import TurboWireConnectorStats
+from turbowire.connector.transports.base import TransferState, TransportError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from turbowire.connector.sidechannel.client import PeerInfo
+    from turbowire.connector.transports.nixl import NixlTransfer, NixlTransport
+
+logger = logging.getLogger(__name__)
+
+
+class LoadFailed(RuntimeError):
+    """A load failed; ``reason`` is the metric label (checksum, bounds, timeout, ...)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class PeerState:
+    info: PeerInfo
+    agent: str
+    handshake_seconds: float
+
+
+@dataclass
+class LoadJob:
+    load: LoadRequest
+    created: float = field(default_factory=time.monotonic)
+    recv_offset: int | None = None
+    recv_nbytes: int = 0
+    chunk_offsets: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    xfer: NixlTransfer | None = None
+    posted: float = 0.0
+    handshake_seconds: float = 0.0
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """Map codec/kernel/transport exceptions to a metric reason without importing them eagerly."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "ChecksumError" in names:
+        return "checksum"
+    if "BlockIndexError" in names or "IndexError" in names:
+        return "bounds"
+    if "FormatError" in names or "CodecError" in names:
+        return "format"
+    if "IncompatiblePeerError" in names:
+        return "incompatible"
+    if "PeerUnreachableError" in names:
+        return "peer_unreachable"
+    if "SideChannelError" in names or "SideChannelProtocolError" in names:
+        return "handshake"
+    if "TransportError" in names:
+        return "transport"
+    return "internal"
+
+
+class TurboWireWorker:
+    """Worker-side state of one engine worker (one TP rank)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        config: TurboWireConfig,
+        engine_id: str,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.config = config
+        self.engine_id = engine_id
+        ktc = vllm_config.kv_transfer_config
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.is_consumer = bool(ktc.is_kv_consumer)
+        self.geometry = KVGeometry.from_kv_cache_config(
+            kv_cache_config, draft_layer_predicate(vllm_config)
+        )
+        self.codec = make_codec(config.preset, self.geometry)
+        self.layout = StagingLayout.build(
+            self.geometry, self.codec.encoded_nbytes, config.staging_bytes
+        )
+        self.record = CompatibilityRecord.build(
+            model=model_identity(vllm_config),
+            geometry=self.geometry,
+            preset=config.preset,
+            codec_format_version=codec_format_version(),
+            tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            speculative_config=speculative_factors(vllm_config),
+        )
+        self.layer_index = self.geometry.layer_index()
+        self.stats = TurboWireConnectorStats()
+        self.tp_rank = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self.paged_layouts: list[Any] = []
+        self.staging: torch.Tensor | None = None
+        self.recv: torch.Tensor | None = None
+        self.recv_ranges: ByteRanges | None = None
+        self.transport: NixlTransport | None = None
+        self.handshake_metadata: TurboWireHandshakeMetadata | None = None
+        self.mem_type = "DRAM"
+        self._sizes: dict[tuple[int, int], int] = {}
+        self._saved_layers: set[int] = set()
+        self._step_encode_seconds = 0.0
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tw-worker")
+        self._clients: Any = None
+        self._peers: dict[tuple[str, str, int], PeerState] = {}
+        self._handshakes: dict[tuple[str, str, int], tuple[Future, float]] = {}
+        self._jobs: list[LoadJob] = []
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self._reports: dict[str, LoadReport] = {}
+        self._quarantined_bytes = 0
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Order caches like the geometry, allocate + register the staging/receive buffers."""
+        from turbowire.connector.sidechannel.client import ClientPool
+        from turbowire.connector.transports.nixl import NixlTransport
+        from turbowire.kernels import PagedKVLayout
+
+        missing = [layer.name for layer in self.geometry.layers if layer.name not in kv_caches]
+        if missing:
+            raise GeometryError(f"vLLM registered no KV cache for layers {missing[:3]}")
+        self.kv_caches = [kv_caches[layer.name] for layer in self.geometry.layers]
+        self.paged_layouts = [PagedKVLayout.from_cache(t) for t in self.kv_caches]
+        device = self.kv_caches[0].device
+        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except (AssertionError, RuntimeError):
+            self.tp_rank = 0
+        self.transport = NixlTransport(
+            agent_name=f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{id(self) & 0xFFFF:x}",
+            backends=self.config.nixl_backends,
+            backend_params=self.config.nixl_backend_params,
+        )
+        if self.is_producer:
+            self.staging = torch.zeros(self.layout.pool_bytes, dtype=torch.uint8, device=device)
+            self.transport.register(self.staging)
+        if self.is_consumer:
+            self.recv = torch.zeros(self.config.recv_bytes, dtype=torch.uint8, device=device)
+            self.transport.register(self.recv)
+            self.recv_ranges = ByteRanges(self.config.recv_bytes)
+            self._clients = ClientPool(self.config.auth_token, self.config.handshake_timeout_seconds)
+        base = self.staging.data_ptr() if self.staging is not None else 0
+        self.handshake_metadata = TurboWireHandshakeMetadata(
+            agent_name=self.transport.agent_name,
+            agent_metadata=self.transport.local_metadata(),
+            base_addr=base,
+            slot_bytes=self.layout.slot_bytes,
+            num_slots=self.layout.num_slots,
+            layer_offsets=list(self.layout.layer_offsets),
+            device_id=max(device.index or 0, 0),
+            mem_type=self.mem_type,
+        )
+        self.stats.set_gauge("staging_capacity_bytes", self.layout.pool_bytes if self.is_producer else 0)
+        logger.info(
+            "turbowire worker tp%d: %d layers registered, staging %d B, recv %d B (%s)",
+            self.tp_rank,
+            len(self.kv_caches),
+            self.layout.pool_bytes if self.is_producer else 0,
+            self.config.recv_bytes if self.is_consumer else 0,
+            self.mem_type,
+        )
+
+    def chunk_nbytes(self, layer: int, num_tokens: int) -> int:
+        key = (layer, num_tokens)
+        size = self._sizes.get(key)
+        if size is None:
+            heads = self.geometry.layers[layer].num_kv_heads
+            size = int(self.codec.encoded_nbytes(layer, num_tokens, heads))
+            self._sizes[key] = size
+        return size
+
+    # ------------------------------------------------------------------ prefill: encode
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, meta: TurboWireConnectorMetadata
+    ) -> None:
+        if not meta.saves or self.staging is None:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None or layer in self._saved_layers:
+            return
+        self._encode_layer(layer, kv_layer, meta.saves)
+        self._saved_layers.add(layer)
+
+    def wait_for_save(self, meta: TurboWireConnectorMetadata | None) -> None:
+        if meta is None or not meta.saves or self.staging is None:
+            self._saved_layers.clear()
+            return
+        for layer in range(self.geometry.num_layers):
+            if layer not in self._saved_layers:
+                self._encode_layer(layer, self.kv_caches[layer], meta.saves)
+        if self.staging.device.type == "cuda":
+            torch.cuda.current_stream(self.staging.device).synchronize()
+        dense = wire = 0
+        elem = self.kv_caches[0].element_size()
+        for save in meta.saves:
+            for block in save.blocks:
+                dense += block.num_tokens * self.geometry.dense_bytes_per_token(elem)
+                wire += sum(
+                    self.chunk_nbytes(layer, block.num_tokens)
+                    for layer in range(self.geometry.num_layers)
+                )
+        self.stats.record_send(TRANSPORT, self.config.preset, dense, wire)
+        self.stats.observe(
+            "encode_seconds", self._step_encode_seconds, transport=TRANSPORT,
+            preset=self.config.preset,
+        )
+        self._step_encode_seconds = 0.0
+        self._saved_layers.clear()
+
+    def _encode_layer(self, layer: int, cache: torch.Tensor, saves: list[SaveRequest]) -> None:
+        from turbowire.kernels import EncodeItem, encode_into
+
+        assert self.staging is not None
+        items = []
+        limits = []
+        for save in saves:
+            for block in save.blocks:
+                items.append(
+                    EncodeItem(
+                        block_ids=[block.block_id],
+                        token_start=0,
+                        num_tokens=block.num_tokens,
+                        out_offset=self.layout.chunk_offset(block.slot, layer),
+                        tag=block.tag,
+                    )
+                )
+                limits.append(self.layout.full_chunk_bytes[layer])
+        t0 = time.perf_counter()
+        written = encode_into(
+            self.codec, layer, cache, self.paged_layouts[layer], items, self.staging
+        )
+        self._step_encode_seconds += time.perf_counter() - t0
+        for n, limit, item in zip(written, limits, items, strict=True):
+            if n > limit:  # would have spilled into the next layer's chunk
+                raise RuntimeError(
+                    f"codec wrote {n} bytes for a block of layer {layer}, slot room is {limit}"
+                )
+            if n != self.chunk_nbytes(layer, item.num_tokens):
+                raise RuntimeError(
+                    f"codec wrote {n} bytes, encoded_nbytes promised "
+                    f"{self.chunk_nbytes(layer, item.num_tokens)}"
+                )
+
+    # ------------------------------------------------------------------ decode: load
+    def start_load_kv(self, meta: TurboWireConnectorMetadata) -> None:
+        for load in meta.loads:
+            if load.release_only:
+                self._release_async(load)
+            else:
+                self._jobs.append(LoadJob(load))
+        self._progress()
+
+    def get_transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished incl. failed, failed) since the last call."""
+        self._progress()
+        finished, failed = self._finished | self._failed, self._failed
+        self._finished, self._failed = set(), set()
+        return finished, failed
+
+    def take_reports(self) -> TurboWireWorkerMeta | None:
+        if not self._reports:
+            return None
+        meta = TurboWireWorkerMeta(self._reports)
+        self._reports = {}
+        return meta
+
+    def get_stats(self) -> TurboWireConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        return self.stats.clone_and_reset()
+
+    def _progress(self) -> None:
+        if not self._jobs:
+            return
+        now = time.monotonic()
+        still: list[LoadJob] = []
+        for job in self._jobs:
+            try:
+                if self._advance(job, now):
+                    continue  # finished
+            except LoadFailed as exc:
+                self._fail(job, exc.reason, str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - every failure must reach failed_recving
+                reason = _failure_reason(exc)
+                self._fail(job, reason, f"{type(exc).__name__}: {exc}")
+                continue
+            still.append(job)
+        self._jobs = still
+
+    def _advance(self, job: LoadJob, now: float) -> bool:
+        """Move a job forward; True when it completed successfully."""
+        if now - job.created > self.config.transfer_timeout_seconds:
+            raise LoadFailed(
+                "timeout",
+                f"load did not finish within transfer_timeout_seconds="
+                f"{self.config.transfer_timeout_seconds}",
+            )
+        if job.xfer is None:
+            peer = self._peer_for(job)
+            if peer is None:
+                return False
+            if not self._post(job, peer):
+                return False
+        state = job.xfer.state()
+        if state is TransferState.PENDING:
+            return False
+        transfer_seconds = time.perf_counter() - job.posted
+        job.xfer.release()
+        if state is TransferState.FAILED:
+            self._free_recv(job)
+            raise LoadFailed("transport", "NIXL READ finished in error")
+        self._release_async(job.load)
+        try:
+            decode_seconds = self._decode(job)
+        finally:
+            self._free_recv(job)
+        self._complete(job, transfer_seconds, decode_seconds)
+        return True
+
+    def _peer_for(self, job: LoadJob) -> PeerState | None:
+        peer = job.load.peer
+        state = self._peers.get(peer.key)
+        if state is not None:
+            return state
+        pending = self._handshakes.get(peer.key)
+        if pending is None:
+            future = self._executor.submit(self._handshake_rpc, peer)
+            self._handshakes[peer.key] = (future, time.perf_counter())
+            return None
+        future, started = pending
+        if not future.done():
+            return None
+        del self._handshakes[peer.key]
+        info = future.result()  # raises the handshake's error for this job (retried next job)
+        self._check_peer_geometry(info, peer)
+        assert self.transport is not None
+        agent = self.transport.add_peer(info.staging.agent_metadata)  # main thread only
+        elapsed = time.perf_counter() - started
+        state = PeerState(info, agent, elapsed)
+        self._peers[peer.key] = state
+        self.stats.observe("handshake_seconds", elapsed, transport=TRANSPORT, preset=self.config.preset)
+        job.handshake_seconds = elapsed
+        logger.info(
+            "handshake with prefill engine %s at %s:%d done in %.1f ms",
+            peer.engine_id, peer.host, peer.port, elapsed * 1e3,
+        )
+        return state
+
+    def _handshake_rpc(self, peer: PeerAddress) -> PeerInfo:
+        """Network part of the handshake (thread pool; no NIXL calls here)."""
+        client = self._clients.get(peer.host, peer.port)
+        return client.handshake(self.record, self.engine_id, self.tp_rank)
+
+    def _check_peer_geometry(self, info: PeerInfo, peer: PeerAddress) -> None:
+        from turbowire.connector.compat import IncompatiblePeerError
+
+        if info.engine_id != peer.engine_id:
+            raise IncompatiblePeerError(
+                "engine_id", peer.engine_id, info.engine_id,
+                message=f"{peer.host}:{peer.port} now serves engine {info.engine_id}, not "
+                f"{peer.engine_id} (restarted?): its staged KV is gone",
+            )
+        staging = info.staging
+        if staging.mem_type != self.mem_type:
+            raise LoadFailed("incompatible", f"peer staging is {staging.mem_type}, ours {self.mem_type}")
+        if len(staging.layer_offsets) != self.geometry.num_layers:
+            raise LoadFailed("incompatible", "peer staging has a different layer count")
+        for layer, off in enumerate(staging.layer_offsets):
+            if off + self.layout.full_chunk_bytes[layer] > staging.slot_bytes:
+                raise LoadFailed("bounds", f"peer slot too small for layer {layer}")
+
+    def _post(self, job: LoadJob, peer: PeerState) -> bool:
+        assert self.recv is not None and self.recv_ranges is not None and self.transport
+        staging = peer.info.staging
+        load = job.load
+        slots = [b.slot for b in load.blocks]
+        bad = [s for s in slots if not 0 <= s < staging.num_slots]
+        if bad:
+            raise LoadFailed("bounds", f"staging slots {bad[:5]} outside the peer's {staging.num_slots}")
+        num_blocks = self.kv_caches[0].shape[self.paged_layouts[0].block_dim] if hasattr(
+            self.paged_layouts[0], "block_dim"
+        ) else None
+        if num_blocks is not None:
+            bad_local = [b.block_id for b in load.blocks if not 0 <= b.block_id < num_blocks]
+            if bad_local:
+                raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
+        offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        local_rows: list[tuple[int, int, int]] = []
+        remote_rows: list[tuple[int, int, int]] = []
+        cursor = 0
+        for bi, block in enumerate(load.blocks):
+            if not 0 < block.num_tokens <= self.geometry.block_size:
+                raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
+            for layer in range(self.geometry.num_layers):
+                size = self.chunk_nbytes(layer, block.num_tokens)
+                offsets[(bi, layer)] = (cursor, size)
+                remote_rows.append(
+                    (
+                        staging.base_addr
+                        + block.slot * staging.slot_bytes
+                        + staging.layer_offsets[layer],
+                        size,
+                        staging.device_id,
+                    )
+                )
+                local_rows.append((cursor, size, 0))
+                cursor += size
+        if cursor > self.recv_ranges.capacity:
+            raise LoadFailed(
+                "recv_buffer_too_small",
+                f"request needs {cursor} B of receive buffer, recv_bytes is "
+                f"{self.recv_ranges.capacity}: raise recv_bytes",
+            )
+        start = self.recv_ranges.allocate(cursor)
+        if start is None:
+            return False  # wait for other loads to free the buffer
+        job.recv_offset, job.recv_nbytes, job.chunk_offsets = start, cursor, offsets
+        base = self.recv.data_ptr() + start
+        device_id = max(self.recv.device.index or 0, 0)
+        local = np.array(
+            [(base + off, size, device_id) for off, size, _ in local_rows], dtype=np.uint64
+        )
+        remote = np.array(remote_rows, dtype=np.uint64)
+        try:
+            job.xfer = self.transport.read(peer.agent, local, remote, self.mem_type)
+        except TransportError:
+            self._free_recv(job)
+            raise
+        job.posted = time.perf_counter()
+        job.handshake_seconds = job.handshake_seconds or 0.0
+        return True
+
+    def _decode(self, job: LoadJob) -> float:
+        from turbowire.kernels import DecodeItem, decode_into
+
+        assert self.recv is not None and job.recv_offset is not None
+        t0 = time.perf_counter()
+        for layer in range(self.geometry.num_layers):
+            items = []
+            for bi, block in enumerate(job.load.blocks):
+                off, size = job.chunk_offsets[(bi, layer)]
+                items.append(
+                    DecodeItem(
+                        block_ids=[block.block_id],
+                        token_start=0,
+                        num_tokens=block.num_tokens,
+                        in_offset=job.recv_offset + off,
+                        nbytes=size,
+                        expected_tag=block.tag,
+                    )
+                )
+            decode_into(
+                self.codec, layer, self.kv_caches[layer], self.paged_layouts[layer], items,
+                self.recv,
+            )
+        if self.recv.device.type == "cuda":
+            torch.cuda.current_stream(self.recv.device).synchronize()
+        return time.perf_counter() - t0
+
+    def _complete(self, job: LoadJob, transfer_seconds: float, decode_seconds: float) -> None:
+        load = job.load
+        tokens = sum(b.num_tokens for b in load.blocks)
+        elem = self.kv_caches[0].element_size()
+        dense = tokens * self.geometry.dense_bytes_per_token(elem)
+        wire = job.recv_nbytes
+        self.stats.record_recv(TRANSPORT, load.preset, dense, wire)
+        self.stats.observe("transfer_seconds", transfer_seconds, transport=TRANSPORT, preset=load.preset)
+        self.stats.observe("decode_seconds", decode_seconds, transport=TRANSPORT, preset=load.preset)
+        self._finished.add(load.request_id)
+        self._reports[load.request_id] = LoadReport(
+            tokens=tokens,
+            dense_bytes=dense,
+            wire_bytes=wire,
+            transfer_seconds=transfer_seconds,
+            decode_seconds=decode_seconds,
+            handshake_seconds=job.handshake_seconds,
+        )
+        logger.debug(
+            "loaded %s: %d tokens, %d wire B (%.2fx), transfer %.1f ms, decode %.1f ms",
+            load.request_id, tokens, wire, dense / max(wire, 1), transfer_seconds * 1e3,
+            decode_seconds * 1e3,
+        )
+
+    def _fail(self, job: LoadJob, reason: str, message: str) -> None:
+        load = job.load
+        logger.error(
+            "KV load of request %s from engine %s failed (%s): %s",
+            load.request_id, load.peer.engine_id, reason, message,
+        )
+        self.stats.record_failure(reason)
+        if job.xfer is not None and job.xfer.state() is TransferState.PENDING:
+            # The READ may still write into the receive range: never reuse it.
+            self._quarantined_bytes += job.recv_nbytes
+            job.recv_offset = None
+        else:
+            self._free_recv(job)
+        self._release_async(load)
+        self._failed.add(load.request_id)
+        self._reports[load.request_id] = LoadReport(failed=reason)
+
+    def _free_recv(self, job: LoadJob) -> None:
+        if job.recv_offset is not None and self.recv_ranges is not None:
+            self.recv_ranges.free(job.recv_offset, job.recv_nbytes)
+            job.recv_offset = None
+
+    def _release_async(self, load: LoadRequest) -> None:
+        """Tell the prefill engine it may free the staged slots (fire and forget, logged)."""
+        if self._clients is None:
+            return
+
+        def call() -> None:
+            try:
+                reply = self._clients.get(load.peer.host, load.peer.port).release(
+                    [load.remote_request_id], self.engine_id, self.tp_rank
+                )
+                if reply.unknown:
+                    logger.warning(
+                        "prefill engine %s had no lease for %s any more (expired?)",
+                        load.peer.engine_id, load.remote_request_id,
+                    )
+            except Exception as exc:  # noqa: BLE001 - the lease then expires on its own
+                logger.warning("lease release for %s failed: %s", load.remote_request_id, exc)
+                self.stats.record_failure("peer_unreachable")
+
+        self._executor.submit(call)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._clients is not None:
+            self._clients.close()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
