@@ -121,3 +121,15 @@ def test_recording_rule_matches_exported_ratio() -> None:
         stop.set()
         p_server.shutdown()
         d_server.shutdown()
+
+
+def test_dashboard_expressions_accepted_by_real_prometheus() -> None:
+    """Every PromQL expression of the Grafana dashboard parses and evaluates in Prometheus."""
+    from turbowire.promql_check import dashboard_exprs, substitute_grafana_vars
+
+    port = free_port()
+    with LocalPrometheus({"self": [f"127.0.0.1:{port}"]}, port=port) as prom:
+        exprs = dashboard_exprs()
+        for expr in exprs:
+            prom.query(substitute_grafana_vars(expr))  # raises PrometheusError on a parse/type error
+        assert len(exprs) >= 20
