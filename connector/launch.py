@@ -1,0 +1,231 @@
+"""Start, watch and stop local vLLM engines (and the proxy) for the demo and the e2e tests.
+
+Each process gets its own session (process group) so stopping kills every child it spawned;
+engines are pinned to their own core (``VLLM_CPU_OMP_THREADS_BIND``) with a small KV cache
+(``VLLM_CPU_KVCACHE_SPACE``); a machine-wide ``flock`` serializes engine workloads of people
+sharing a machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+ENGINE_LOCK = Path("/tmp/tw-engine.lock")
+
+
+class EngineStartError(RuntimeError):
+    """A process did not become healthy; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def engine_lock(path: Path = ENGINE_LOCK, wait_log_s: float = 5.0) -> Iterator[None]:
+    """Hold the machine-wide engine lock (same file as ``flock /tmp/tw-engine.lock``)."""
+    if os.environ.get("TW_ENGINE_LOCK_HELD") == "1":  # already inside `flock` (make demo)
+        yield
+        return
+    with open(path, "a+") as fh:
+        t0 = time.monotonic()
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for %s (another engine workload is running)", path)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            logger.info("got %s after %.0f s", path, time.monotonic() - t0)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def turbowire_kv_config(
+    role: str = "kv_both", connector_module: str = "turbowire.connector", **extra: Any
+) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for TurboWireConnector with these extra-config keys."""
+    return {
+        "kv_connector": "TurboWireConnector",
+        "kv_connector_module_path": connector_module,
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+
+
+@dataclass
+class EngineSpec:
+    """One vLLM OpenAI server on localhost."""
+
+    name: str
+    model: Path
+    port: int
+    cpu: int | None
+    kv_transfer_config: dict[str, Any] | None = None
+    kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
+    block_size: int = 32
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    served_model_name: str | None = None
+    extra_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16",
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--enforce-eager",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        cmd += list(self.extra_args)
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_CPU_KVCACHE_SPACE": str(int(self.kvcache_gib)),
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu) if self.cpu is not None else "all",
+            }
+        )
+        env.update(self.env)
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class ManagedProcess:
+    """A child in its own process group, logging to a file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    url: str
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_healthy(self, timeout: float, path: str = "/health") -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if not self.alive():
+                raise EngineStartError(
+                    f"{self.name} exited with {self.popen.returncode} while starting:\n{self.tail()}"
+                )
+            try:
+                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise EngineStartError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the whole process group, SIGKILL it if it lingers."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM for %.0f s: SIGKILL", self.name, timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # stragglers in the group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=5)
+
+
+def spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: str) -> ManagedProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+    return ManagedProcess(name, popen, log_path, url)
+
+
+def start_engine(spec: EngineSpec, log_dir: Path) -> ManagedProcess:
+    return spawn(spec.name, spec.command(), spec.environment(), log_dir, spec.url)
+
+
+def start_proxy(
+    prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int, log_dir: Path
+) -> ManagedProcess:
+    cmd = [sys.executable, "-m", "turbowire.cli", "proxy", "--port", str(port)]
+    for url in prefill_urls:
+        cmd += ["--prefill", url]
+    for url in decode_urls:
+        cmd += ["--decode", url]
+    return spawn("proxy", cmd, dict(os.environ), log_dir, f"http://127.0.0.1:{port}")
+
+
+class ProcessGroup:
+    """Several managed processes stopped together (reverse start order)."""
+
+    def __init__(self) -> None:
+        self.procs: list[ManagedProcess] = []
+
+    def add(self, proc: ManagedProcess) -> ManagedProcess:
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
