@@ -68,13 +68,15 @@ _HIST = ("transport", "preset")
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("turbowire_kv_dense_bytes_total", "counter", _XFER,
-               "Dense (uncompressed bf16/fp16) KV bytes moved by completed transfers.",
+               "Dense (bf16/fp16) size of the KV moved: staged for decode engines (send) or loaded "
+               "and decoded into the paged cache (recv).",
                stats_name="dense_bytes"),
     MetricSpec("turbowire_kv_wire_bytes_total", "counter", _XFER,
-               "Encoded KV bytes that crossed the wire (headers included) in completed transfers.",
+               "Encoded bytes of that KV (chunk headers included): what crosses the wire.",
                stats_name="wire_bytes"),
     MetricSpec("turbowire_kv_transfers_total", "counter", _XFER,
-               "Completed KV transfers (one per request and direction).",
+               "send: engine steps that staged KV for decode engines; recv: requests whose KV was "
+               "loaded.",
                stats_name="transfers"),
     MetricSpec("turbowire_kv_transfer_failures_total", "counter", ("reason",),
                "Failed KV transfers by reason (handshake, timeout, checksum, lease_expired, ...).",
@@ -194,3 +196,13 @@ def naming_problems(spec: MetricSpec) -> list[str]:
 def exported_series_names() -> frozenset[str]:
     """Every sample series name the code exports (for checking PromQL in rules and dashboards)."""
     return frozenset(s for m in ALL_METRICS for s in m.series_names())
+
+
+def markdown_table(specs: tuple[MetricSpec, ...]) -> str:
+    """The README table of ``specs`` (tests/unit/test_metric_names.py keeps README in sync)."""
+    lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for m in specs:
+        labels = ", ".join(f"`{lbl}`" for lbl in m.all_labels) or "-"
+        lines.append(f"| `{m.name}` | {m.type} | {labels} | {m.help} |")
+    return "\n".join(lines)
+

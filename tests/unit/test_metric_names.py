@@ -61,3 +61,24 @@ def test_series_names_include_histogram_parts() -> None:
     assert "turbowire_kv_dense_bytes_total" in names
     assert "turbowire_proxy_ttft_seconds_count" in names
     assert "turbowire_kv_transfer_duration_seconds" not in names
+
+
+def test_readme_documents_every_metric_and_rule() -> None:
+    """README tables are generated from the catalog; every rule and alert is described."""
+    import re
+    from pathlib import Path
+
+    from turbowire.metrics_catalog import PROXY_METRICS, markdown_table
+    from turbowire.promql_check import REPO_ROOT, rule_exprs
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    for tag, specs in (("engine", ENGINE_METRICS), ("proxy", PROXY_METRICS)):
+        m = re.search(rf"<!-- metrics-table:{tag} -->\n(.*?)\n<!-- /metrics-table:{tag} -->",
+                      readme, re.S)
+        assert m, f"README lacks the {tag} metrics table markers"
+        assert m.group(1) == markdown_table(specs), (
+            f"README {tag} table is stale: regenerate it from turbowire.metrics_catalog.markdown_table"
+        )
+    for name in rule_exprs():
+        assert f"`{name}`" in readme, f"README does not describe rule {name}"
+    assert Path(REPO_ROOT / "deploy" / "grafana" / "turbowire.json").name in readme
