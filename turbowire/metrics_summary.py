@@ -8,6 +8,7 @@ Prometheus server; keeping parsing and arithmetic here makes them testable witho
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -222,3 +223,33 @@ def fmt_counts(counts: dict[str, float]) -> str:
 def merge_rows(per_source: Iterable[tuple[str, list[tuple[str, str]]]]) -> list[tuple[str, str, str]]:
     """(source, what, value) rows for one table."""
     return [(src, what, value) for src, rows in per_source for what, value in rows]
+
+
+_LOG_LINE = re.compile(r"KV Transfer metrics: (.*)$", re.M)
+
+
+def logged_transfer_totals(log_text: str) -> dict[str, float]:
+    """Sum the numeric fields of vLLM's periodic "KV Transfer metrics:" log lines.
+
+    Those lines are ``TurboWireConnectorStats.reduce()`` of each logging interval, so summing the
+    byte fields gives what the connector itself logged over a run (e.g. to compare with the
+    Prometheus recording rule). Ratios and averages are skipped (they do not add up).
+    """
+    totals: dict[str, float] = defaultdict(float)
+    for m in _LOG_LINE.finditer(log_text):
+        for part in m.group(1).split(", "):
+            key, eq, value = part.partition("=")
+            if not eq or not key.startswith(("Transfers ", "Dense bytes ", "Wire bytes ")):
+                continue
+            try:
+                totals[key] += float(value)
+            except ValueError:
+                continue
+    return dict(totals)
+
+
+def logged_ratio(log_text: str, direction_word: str) -> float | None:
+    """Dense/wire bytes logged for ``direction_word`` ("sent" or "received"), or None."""
+    t = logged_transfer_totals(log_text)
+    wire = t.get(f"Wire bytes {direction_word}", 0.0)
+    return t.get(f"Dense bytes {direction_word}", 0.0) / wire if wire else None

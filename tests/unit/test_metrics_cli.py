@@ -101,3 +101,22 @@ def test_cli_once_fails_on_unreachable_url() -> None:
 
     res = CliRunner().invoke(app, ["metrics", "-u", f"http://127.0.0.1:{free_port()}", "--once"])
     assert res.exit_code == 1
+
+
+def test_logged_totals_from_vllm_log_lines() -> None:
+    from turbowire.connector.stats import TurboWireConnectorStats
+    from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
+
+    lines = []
+    for dense, wire in ((4000, 1000), (9000, 2000)):
+        s = TurboWireConnectorStats()
+        s.record_send("nixl", "tq4", dense, wire)
+        s.observe("transfer_seconds", 0.01)
+        body = ", ".join(f"{k}={v}" for k, v in s.reduce().items())  # as vLLM's KVConnectorLogging
+        lines.append(f"(APIServer pid=1) INFO 05-01 10:00:00 [metrics.py:98] KV Transfer metrics: {body}")
+    text = "noise\n" + "\n".join(lines) + "\nmore noise\n"
+    totals = logged_transfer_totals(text)
+    assert totals["Dense bytes sent"] == 13000 and totals["Wire bytes sent"] == 3000
+    assert totals["Transfers sent"] == 2
+    assert logged_ratio(text, "sent") == pytest.approx(13000 / 3000)
+    assert logged_ratio(text, "received") is None
