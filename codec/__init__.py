@@ -1,1 +1,28 @@
-"""placeholder"""
+"""turbowire.codec: the reference TurboQuant+ KV codec (pure PyTorch, CPU and GPU).
+
+The single source of truth for the math and the bytes; kernels are tested against it.
+"""
+
+from turbowire.codec.codec import Codec, ChunkLayout, EncodedChunk, SUPPORTED_HEAD_DIMS
+from turbowire.codec.errors import (
+    ChecksumError,
+    CodecError,
+    FormatError,
+    GeometryError,
+    IncompatiblePayloadError,
+    TruncatedPayloadError,
+    UnknownPresetError,
+    UnsupportedVersionError,
+)
+from turbowire.codec.presets import Preset, get_preset, list_presets
+from turbowire.codec.streams import StreamSpec
+from turbowire.codec.wire import FORMAT_VERSION, HEADER_BYTES, ChunkHeader, parse_header
+
+read_header = parse_header
+
+__all__ = [
+    "Codec", "ChunkLayout", "EncodedChunk", "ChunkHeader", "StreamSpec", "Preset",
+    "list_presets", "get_preset", "read_header", "parse_header", "FORMAT_VERSION", "HEADER_BYTES",
+    "SUPPORTED_HEAD_DIMS", "CodecError", "FormatError", "ChecksumError", "TruncatedPayloadError",
+    "UnsupportedVersionError", "IncompatiblePayloadError", "GeometryError", "UnknownPresetError",
+]

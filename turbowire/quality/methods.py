@@ -1,0 +1,159 @@
+"""KV methods compared by the quality table: turbowire presets and reproduced baselines.
+
+A method maps one layer's prompt KV ([T, H, D] bf16) to its reconstruction and the number of
+bytes it would put on the wire. Baselines are simulations with exact byte accounting, labelled as
+reproductions of their published formats (research/turboquant.md §1.2-1.7).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from turbowire.codec import Codec
+from turbowire.codec.codebooks import boundaries, centroids
+
+
+class KVMethod(Protocol):
+    name: str
+    family: str  # "turbowire", "baseline" or "reproduction"
+
+    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        ...
+
+
+@dataclass
+class CodecMethod:
+    """A turbowire preset, run through the real codec chunk by chunk (bytes are the real bytes)."""
+
+    preset: str
+    head_dim: int
+    num_layers: int
+    chunk_tokens: int = 256
+    family: str = "turbowire"
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = self.preset
+        self.codec = Codec(self.preset, self.head_dim, self.num_layers, self.chunk_tokens)
+
+    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        ks, vs, nbytes = [], [], 0
+        for t0 in range(0, k.shape[0], self.chunk_tokens):
+            enc = self.codec.encode(layer, k[t0 : t0 + self.chunk_tokens], v[t0 : t0 + self.chunk_tokens], token_offset=t0)
+            nbytes += enc.nbytes
+            kk, vv = self.codec.decode(layer, enc.data)
+            ks.append(kk)
+            vs.append(vv)
+        return torch.cat(ks), torch.cat(vs), nbytes
+
+
+# ---- simulated formats ----------------------------------------------------------------------
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(torch.float32)
+
+
+def fp8_per_vector(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    amax = x.abs().amax(-1, keepdim=True)
+    s = _fp16(amax / 448.0)
+    q = (x / torch.where(s > 0, s, torch.ones_like(s))).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.to(torch.float32) * s, x.numel() + x[..., 0].numel() * 2
+
+
+def fp8_unscaled(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32), x.numel()
+
+
+def uniform_per_vector(x: torch.Tensor, bits: int, group: int | None = None) -> tuple[torch.Tensor, int]:
+    """Asymmetric min/max uniform quantizer over the last dim (or groups of it); fp16 scale+zero."""
+    shape = x.shape
+    g = group or shape[-1]
+    xg = x.reshape(*shape[:-1], shape[-1] // g, g)
+    mn = xg.amin(-1, keepdim=True)
+    mx = xg.amax(-1, keepdim=True)
+    levels = 2**bits - 1
+    scale = _fp16((mx - mn) / levels)
+    zero = _fp16(mn)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((xg - zero) / safe).round().clamp(0, levels)
+    out = (q * scale + zero).reshape(shape)
+    nbytes = math.ceil(x.numel() * bits / 8) + xg[..., 0].numel() * 4
+    return out, nbytes
+
+
+def uniform_per_channel(x: torch.Tensor, bits: int, group_tokens: int) -> tuple[torch.Tensor, int]:
+    """KIVI keys: per channel over groups of ``group_tokens`` tokens (x: [T, H, D])."""
+    outs, nbytes = [], 0
+    for t0 in range(0, x.shape[0], group_tokens):
+        blk = x[t0 : t0 + group_tokens]
+        q, nb = uniform_per_vector(blk.permute(1, 2, 0), bits)  # [H, D, t]
+        outs.append(q.permute(2, 0, 1))
+        nbytes += nb
+    return torch.cat(outs), nbytes
+
+
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def vllm_lloyd_key(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    """vLLM TurboQuant MSE key: plain Hadamard (no signs), Lloyd-Max of N(0, 1/D), fp16 norm,
+    norm correction at decode (reconstruction renormalised to the stored norm)."""
+    d = x.shape[-1]
+    h = _hadamard(d, x.device)
+    norm = x.norm(dim=-1, keepdim=True)
+    y = (x / torch.where(norm > 0, norm, torch.ones_like(norm))) @ h.T * math.sqrt(d)
+    idx = torch.searchsorted(boundaries(bits).to(x.device), y.contiguous())
+    c = centroids(bits).to(x.device)[idx]
+    c = c / c.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    out = (c @ h) * _fp16(norm)
+    return out, math.ceil(x.numel() * bits / 8) + x[..., 0].numel() * 2
+
+
+@dataclass
+class SimulatedMethod:
+    """A baseline built from per-stream simulation functions, with optional bf16 boundary layers."""
+
+    name: str
+    family: str
+    key_fn: Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+    value_fn: Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+    num_layers: int
+    boundary_layers: int = 0
+
+    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if layer < self.boundary_layers or layer >= self.num_layers - self.boundary_layers:
+            return k, v, (k.numel() + v.numel()) * 2
+        kq, kb = self.key_fn(k.to(torch.float32))
+        vq, vb = self.value_fn(v.to(torch.float32))
+        return kq.to(k.dtype), vq.to(v.dtype), kb + vb
+
+
+VLLM_PRESETS: dict[str, tuple[Callable, Callable]] = {
+    "turboquant_k8v4": (fp8_unscaled, lambda v: uniform_per_vector(v, 4)),
+    "turboquant_4bit_nc": (lambda k: vllm_lloyd_key(k, 4), lambda v: uniform_per_vector(v, 4)),
+    "turboquant_k3v4_nc": (lambda k: vllm_lloyd_key(k, 3), lambda v: uniform_per_vector(v, 4)),
+    "turboquant_3bit_nc": (lambda k: vllm_lloyd_key(k, 3), lambda v: uniform_per_vector(v, 3)),
+}
+
+
+def baseline_methods(num_layers: int) -> list[SimulatedMethod]:
+    """fp8, KIVI-4/2, and the four vLLM TurboQuant presets (all layers, and first/last 2 in bf16)."""
+    methods = [
+        SimulatedMethod("fp8 e4m3 (per-vector scale)", "baseline", fp8_per_vector, fp8_per_vector, num_layers),
+        SimulatedMethod("KIVI-4", "baseline", lambda k: uniform_per_channel(k, 4, 32),
+                        lambda v: uniform_per_vector(v, 4, group=32), num_layers),
+        SimulatedMethod("KIVI-2", "baseline", lambda k: uniform_per_channel(k, 2, 32),
+                        lambda v: uniform_per_vector(v, 2, group=32), num_layers),
+    ]
+    for name, (kf, vf) in VLLM_PRESETS.items():
+        methods.append(SimulatedMethod(f"vLLM {name} (repro)", "reproduction", kf, vf, num_layers))
+        methods.append(SimulatedMethod(f"vLLM {name} +bf16 boundary 2+2 (repro)", "reproduction", kf, vf,
+                                       num_layers, boundary_layers=2))
+    return methods
