@@ -1,0 +1,100 @@
+"""One entry point per direction that picks the implementation for the cache at hand.
+
+On CPU (and wherever no Triton kernel applies) the reference codec with vectorised torch
+gather/scatter serves; the Triton kernels plug in here for CUDA caches.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from turbowire.codec import Codec
+from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    """Encode tokens [token_start, token_start + num_tokens) of a request as one chunk."""
+
+    block_ids: Sequence[int] | torch.Tensor
+    token_start: int
+    num_tokens: int
+    out_offset: int
+    tag: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """Decode the chunk at source[in_offset : in_offset + nbytes] into those tokens' slots."""
+
+    block_ids: Sequence[int] | torch.Tensor
+    token_start: int
+    num_tokens: int
+    in_offset: int
+    nbytes: int
+    expected_tag: int | None = None
+
+
+def _check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
+        raise BlockIndexError(
+            f"{what} range {offset}..{offset + nbytes} is outside the {buf.numel()}-byte buffer"
+        )
+
+
+def encode_into(
+    codec: Codec,
+    layer: int,
+    kv_cache: torch.Tensor,
+    layout: PagedKVLayout,
+    items: Sequence[EncodeItem],
+    staging: torch.Tensor,
+) -> list[int]:
+    """Encode each item's tokens of this layer into ``staging`` (uint8); bytes written per item."""
+    from turbowire.kernels import triton_dispatch
+
+    if triton_dispatch.applies(codec, kv_cache):
+        return triton_dispatch.encode_into(codec, layer, kv_cache, layout, items, staging)
+    written = []
+    for item in items:
+        k, v = layout.gather(kv_cache, item.block_ids, item.token_start, item.num_tokens)
+        enc = codec.encode(layer, k, v, tag=item.tag, token_offset=item.token_start)
+        _check_range(staging, item.out_offset, enc.nbytes, "staging")
+        staging[item.out_offset : item.out_offset + enc.nbytes] = enc.data.to(staging.device)
+        written.append(enc.nbytes)
+    return written
+
+
+def decode_into(
+    codec: Codec,
+    layer: int,
+    kv_cache: torch.Tensor,
+    layout: PagedKVLayout,
+    items: Sequence[DecodeItem],
+    source: torch.Tensor,
+) -> None:
+    """Verify and decode every item, then scatter them; nothing is written if any item fails."""
+    from turbowire.kernels import triton_dispatch
+
+    if triton_dispatch.applies(codec, kv_cache):
+        triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source)
+        return
+    decoded = []
+    for item in items:
+        _check_range(source, item.in_offset, item.nbytes, "source")
+        data = source[item.in_offset : item.in_offset + item.nbytes]
+        k, v = codec.decode(
+            layer, data, expected_tag=item.expected_tag, expected_tokens=item.num_tokens,
+            expected_offset=item.token_start,
+        )
+        # validate the destination before anything is written
+        layout.token_index(item.block_ids, item.token_start, item.num_tokens)
+        decoded.append((item, k, v))
+    for item, k, v in decoded:
+        layout.scatter(kv_cache, item.block_ids, item.token_start, k, v)
