@@ -67,12 +67,12 @@ class Codec:
 
     def __init__(
         self,
-        preset: str,
+        preset: str | Preset,
         head_dim: int,
         num_layers: int,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
-        self.preset: Preset = get_preset(preset)
+        self.preset: Preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise GeometryError(
                 f"head_dim {head_dim} is not supported; turbowire codes head_dim "

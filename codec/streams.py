@@ -68,6 +68,14 @@ class StreamSpec:
         return sum(packed_row_bytes(n, b) for b, n in self.coord_bits(dim))
 
     @property
+    def short(self) -> str:
+        """Compact label: LM<bits> for Lloyd-Max, +mean for chunk centring, +sink."""
+        if self.kind != "lloyd":
+            return {"raw": "16-bit", "fp8": "fp8+scale"}[self.kind]
+        bits = f"{self.bits + self.hi_eighths / 8:g}"
+        return f"LM{bits}" + ("+mean" if self.center else "") + ("+sink" if self.sink_tokens else "")
+
+    @property
     def label(self) -> str:
         if self.kind == "raw":
             return "bf16/fp16"

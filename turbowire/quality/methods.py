@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from turbowire.codec import Codec
+from turbowire.codec import Codec, Preset
 from turbowire.codec.codebooks import boundaries, centroids
 
 
@@ -29,7 +29,7 @@ class KVMethod(Protocol):
 class CodecMethod:
     """A turbowire preset, run through the real codec chunk by chunk (bytes are the real bytes)."""
 
-    preset: str
+    preset: "str | Preset"
     head_dim: int
     num_layers: int
     chunk_tokens: int = 256
@@ -37,7 +37,7 @@ class CodecMethod:
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = self.preset
+        self.name = self.preset if isinstance(self.preset, str) else self.preset.name
         self.codec = Codec(self.preset, self.head_dim, self.num_layers, self.chunk_tokens)
 
     def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
