@@ -153,7 +153,8 @@ def lloyd_quantize(
     start = 0
     for bits, count in groups:
         part = v[..., start : start + count].contiguous()
-        idx = torch.searchsorted(boundaries(bits).to(xc.device), part, right=False)
+        # code = #{k : v > B_k}, counted directly (torch.searchsorted is slow on CPU)
+        idx = (part.unsqueeze(-1) > boundaries(bits).to(xc.device)).sum(-1)
         codes.append(idx)
         recon.append(centroids(bits).to(xc.device)[idx])
         start += count
