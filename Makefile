@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv test test-unit demo eval bench-kernels clean
+.PHONY: setup system-deps venv test test-unit demo eval bench-kernels bench-e2e clean
 
 APT_PACKAGES := redis-server prometheus iproute2
 
@@ -45,6 +45,11 @@ eval: setup
 
 demo: setup
 	$(VENV)/bin/turbowire eval
+
+# End-to-end P/D benchmark on CPU: two engines, a tbf-shaped veth link (needs root: ip, tc),
+# NixlConnector vs turbowire. Reduced default (~20 min); BENCH_E2E_ARGS=--full for the matrix.
+bench-e2e: setup
+	$(VENV)/bin/turbowire --log-level INFO bench e2e --out bench/e2e/out $(BENCH_E2E_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

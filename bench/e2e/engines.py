@@ -1,0 +1,251 @@
+"""Start and stop the two vLLM CPU engines and the proxy of one benchmark configuration.
+
+The prefill engine runs in the root namespace, the decode engine inside the link's namespace
+(``ip netns exec``); each is pinned to its own core (``VLLM_CPU_OMP_THREADS_BIND``), UCX is told to
+use TCP over the veth end of its own side (``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES``), and each
+engine's side channel listens on its own link address, so every KV byte crosses the shaped link.
+Every process is started in its own session and stopped by process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from turbowire.bench_e2e.link import EmulatedLink
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    """An engine or the proxy did not become healthy; the message holds its log tail."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """One connector configuration of the benchmark (a column of the result tables)."""
+
+    label: str  # e.g. "nixl", "tw-raw", "tw-tq4"
+    kind: str  # "nixl" or "turbowire"
+    preset: str | None = None  # turbowire codec preset
+    extra: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config keys
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("nixl", "turbowire"):
+            raise ValueError(f"kind must be 'nixl' or 'turbowire', got {self.kind!r}")
+        if self.kind == "turbowire" and not self.preset:
+            raise ValueError(f"turbowire config {self.label!r} needs a preset (e.g. 'raw', 'tq4')")
+
+    @classmethod
+    def parse(cls, spec: str) -> "ConnectorConfig":
+        """``nixl`` or ``tw:<preset>`` (e.g. ``tw:raw``, ``tw:tq4``)."""
+        if spec == "nixl":
+            return cls("nixl", "nixl")
+        if spec.startswith("tw:") and len(spec) > 3:
+            return cls(f"tw-{spec[3:]}", "turbowire", preset=spec[3:])
+        raise ValueError(f"connector spec must be 'nixl' or 'tw:<preset>', got {spec!r}")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Engine flags shared by both sides."""
+
+    model: Path
+    max_model_len: int = 8704
+    block_size: int = 128  # vLLM's CPU default
+    prefill_kvcache_gib: int = 4
+    decode_kvcache_gib: int = 3
+    prefill_prefix_caching: bool = True  # primed mode: the base prompts stay cached on P
+    max_num_batched_tokens: int = 2048  # also the size of vLLM's start-up dummy run
+    max_num_seqs: int = 8
+    startup_timeout_s: float = 420.0
+
+    def __post_init__(self) -> None:
+        if self.block_size % 32:
+            raise ValueError(f"vLLM's CPU attention needs block_size % 32 == 0, got {self.block_size}")
+        if min(self.prefill_kvcache_gib, self.decode_kvcache_gib) < 1:
+            raise ValueError("prefill_kvcache_gib and decode_kvcache_gib must be >= 1 (GiB)")
+
+
+def kv_transfer_config(conn: ConnectorConfig, role: str, side_host: str, side_port: int,
+                       ucx_dev: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of one engine (role: "prefill" or "decode")."""
+    if conn.kind == "nixl":
+        return {
+            "kv_connector": "TimedNixlConnector",
+            "kv_connector_module_path": "turbowire.bench_e2e.timed",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_connector_extra_config": {"backends": ["UCX"], **conn.extra},
+        }
+    # staging/receive pools sized for 4 concurrent 8k-token prompts even with preset "raw"
+    extra: dict[str, Any] = {"preset": conn.preset, "side_channel_host": side_host,
+                             "side_channel_port": side_port, "nixl_backends": ["UCX"],
+                             "staging_bytes": "1280MiB", "recv_bytes": "1280MiB",
+                             **conn.extra}
+    return {
+        "kv_connector": "TimedTurboWireConnector",
+        "kv_connector_module_path": "turbowire.bench_e2e.timed",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=timeout)
+        except ProcessLookupError:
+            pass
+
+
+def _spawn(name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> Proc:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    logger.info("starting %s: %s", name, " ".join(cmd))
+    popen = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    log.close()
+    return Proc(name, popen, log_path)
+
+
+def _wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise EngineStartError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise EngineStartError(f"{proc.name} not healthy at {url} after {timeout_s:.0f} s:\n{proc.tail()}")
+
+
+@dataclass
+class EnginePair:
+    """Prefill engine + decode engine + proxy of one connector configuration, over one link."""
+
+    link: EmulatedLink
+    conn: ConnectorConfig
+    settings: EngineSettings
+    workdir: Path
+    events_path: Path
+    prefill_port: int = 8100
+    decode_port: int = 8200
+    proxy_port: int = 8000
+    side_port: int = 5600
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://{self.link.config.root_addr}:{self.prefill_port}"
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://{self.link.config.ns_addr}:{self.decode_port}"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def _engine(self, role: str) -> Proc:
+        c = self.link.config
+        s = self.settings
+        prefill = role == "prefill"
+        host = c.root_addr if prefill else c.ns_addr
+        dev = c.root_if if prefill else c.ns_if
+        port = self.prefill_port if prefill else self.decode_port
+        side_port = self.side_port if prefill else self.side_port + 1
+        env = dict(os.environ)
+        env.update({
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_CPU_OMP_THREADS_BIND": "0" if prefill else "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(s.prefill_kvcache_gib if prefill else s.decode_kvcache_gib),
+            "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": dev,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+            "TW_BENCH_EVENTS": str(self.events_path), "TW_BENCH_ROLE": "P" if prefill else "D",
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        })
+        ktc = kv_transfer_config(self.conn, role, host, side_port + 10, dev)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(s.model), "--served-model-name", "bench",
+               "--host", host, "--port", str(port), "--dtype", "bfloat16",
+               "--max-model-len", str(s.max_model_len), "--block-size", str(s.block_size),
+               "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+               "--max-num-seqs", str(s.max_num_seqs),
+               # P may keep prompts cached (primed mode); D never does, so every request is a
+               # full KV transfer
+               "--enable-prefix-caching" if prefill and s.prefill_prefix_caching
+               else "--no-enable-prefix-caching",
+               "--enforce-eager", "--disable-uvicorn-access-log",
+               "--kv-transfer-config", json.dumps(ktc)]
+        if not prefill:
+            cmd = self.link.netns_cmd(cmd)
+        return _spawn(f"{role}-{self.conn.label}", cmd, env,
+                      self.workdir / f"{self.conn.label}-{role}.log")
+
+    def start(self) -> None:
+        """Start both engines (in parallel), wait until healthy, then the proxy."""
+        try:
+            p = self._engine("prefill")
+            self.procs.append(p)
+            d = self._engine("decode")
+            self.procs.append(d)
+            _wait_healthy(p, f"{self.prefill_url}/health", self.settings.startup_timeout_s)
+            _wait_healthy(d, f"{self.decode_url}/health", self.settings.startup_timeout_s)
+            # turbowire's own P/D proxy (vLLM toy-proxy flow; per-request records)
+            proxy = _spawn(f"proxy-{self.conn.label}",
+                           [sys.executable, "-m", "turbowire.cli", "proxy", "--prefill",
+                            self.prefill_url, "--decode", self.decode_url, "--port",
+                            str(self.proxy_port)], dict(os.environ),
+                           self.workdir / f"{self.conn.label}-proxy.log")
+            self.procs.append(proxy)
+            _wait_healthy(proxy, f"{self.proxy_url}/health", 60.0)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+    def __enter__(self) -> "EnginePair":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def metrics(self, role: str) -> str:
+        """The engine's Prometheus text (connector stats included)."""
+        url = self.prefill_url if role == "prefill" else self.decode_url
+        return httpx.get(f"{url}/metrics", timeout=10.0).text
