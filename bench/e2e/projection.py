@@ -17,6 +17,7 @@ small against GB-sized transfers.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ def project(models: Sequence[ModelKV], prompts: Sequence[int], links: Sequence[f
             for m in models for n in prompts for link in links for p in presets]
 
 
+@functools.lru_cache(maxsize=64)
 def wire_ratio_from_codec(preset: str, head_dim: int = 128, num_kv_heads: int = 8,
                           num_layers: int = 32) -> float:
     """Exact dense/wire ratio of a preset from the codec's own sizes (headers included)."""
@@ -134,3 +136,19 @@ def markdown(rows: Sequence[ProjectionRow]) -> str:
             f"{_fmt_time(r.turbowire_s)} | {r.speedup:.2f} | {_fmt_time(r.serial_s)} | "
             f"{_fmt_time(r.prefill_added_s)} |")
     return "\n".join(out)
+
+
+#: Kernel throughputs measured on the H200 (bytes read + written per second) when no kernels
+#: benchmark result is given: the naive fused Triton encode/decode of ENVIRONMENT.md's GPU section.
+NAIVE_H200_RW_BPS = {"encode": 0.93e12, "decode": 1.43e12}
+NAIVE_SOURCE = ("ENVIRONMENT.md: naive fused Triton kernels on H200, 0.93 TB/s encode and "
+                "1.43 TB/s decode counted as bytes read + written")
+
+
+def rates_from_rw(preset: str, encode_rw_bps: float, decode_rw_bps: float, source: str,
+                  wire_ratio: float | None = None) -> PresetRates:
+    """Convert (dense + compressed bytes)/s kernel throughputs to dense-bytes/s rates."""
+    ratio = wire_ratio if wire_ratio is not None else wire_ratio_from_codec(preset)
+    dense_share = ratio / (ratio + 1.0)  # dense bytes per (dense + wire) byte touched
+    return PresetRates(preset, ratio, encode_rw_bps * dense_share, decode_rw_bps * dense_share,
+                       source)

@@ -68,3 +68,12 @@ def test_wire_ratio_from_codec_counts_headers() -> None:
     tq4 = wire_ratio_from_codec("tq4")
     assert 0.95 < raw <= 1.0  # headers make raw slightly larger than dense
     assert 3.0 < tq4 < 4.0
+
+
+def test_rw_rates_convert_to_dense_rates() -> None:
+    from turbowire.bench_e2e.projection import rates_from_rw
+
+    r = rates_from_rw("tq4", 1.0e12, 2.0e12, "test", wire_ratio=4.0)
+    assert r.encode_dense_bps == pytest.approx(0.8e12)
+    assert r.decode_dense_bps == pytest.approx(1.6e12)
+    assert r.wire_ratio == 4.0

@@ -77,5 +77,54 @@ def e2e(
         raise typer.Exit(code=1)
 
 
+@bench.command("projection")
+def projection(
+    presets: str = typer.Option("tq4,k4v3,tq3", "--presets", help="Codec presets (comma list)."),
+    kernel: list[str] = typer.Option(
+        [], "--kernel",
+        help="PRESET=ENC:DEC kernel throughputs in TB/s counted as bytes read + written "
+             "(the kernels benchmark's effective bandwidth); repeat per preset. Default: the "
+             "naive H200 kernels of ENVIRONMENT.md (0.93 / 1.43 TB/s)."),
+    source: str = typer.Option("", "--source", help="Where --kernel numbers come from (printed)."),
+    efficiency: float = typer.Option(1.0, "--efficiency", min=0.01, max=1.0,
+                                     help="Fraction of the link rate a bulk transfer achieves."),
+) -> None:
+    """GPU-scale projection (a model, not a measurement): handoff time dense vs compressed for
+    Llama-3.1-8B/70B KV, 8k/32k/128k prompts, 25/100/400 Gbit/s links.
+
+    Examples:
+
+      turbowire bench projection
+
+      turbowire bench projection --kernel tq4=2.4:2.6 --source "bench/RESULTS.md kernels, H200"
+    """
+    from turbowire.bench_e2e.projection import (
+        LLAMA_31_8B, LLAMA_31_70B, NAIVE_H200_RW_BPS, NAIVE_SOURCE, markdown, project,
+        rates_from_rw,
+    )
+
+    given: dict[str, tuple[float, float]] = {}
+    for spec in kernel:
+        try:
+            name, nums = spec.split("=", 1)
+            enc, dec = (float(x) * 1e12 for x in nums.split(":", 1))
+        except ValueError as exc:
+            raise typer.BadParameter(f"--kernel {spec!r}: use PRESET=ENC:DEC in TB/s") from exc
+        given[name] = (enc, dec)
+    rates = []
+    for p in _csv(presets):
+        enc, dec = given.get(p, (NAIVE_H200_RW_BPS["encode"], NAIVE_H200_RW_BPS["decode"]))
+        src = (source or "--kernel") if p in given else NAIVE_SOURCE
+        rates.append(rates_from_rw(p, enc, dec, src))
+    rows = project([LLAMA_31_8B, LLAMA_31_70B], [8192, 32768, 131072], [25, 100, 400], rates,
+                   efficiency)
+    typer.echo(markdown(rows))
+    typer.echo("")
+    for r in rates:
+        typer.echo(f"- {r.preset}: wire ratio {r.wire_ratio:.2f}x, encode "
+                   f"{r.encode_dense_bps / 1e12:.2f} / decode {r.decode_dense_bps / 1e12:.2f} TB/s "
+                   f"of dense KV ({r.source}); link efficiency {efficiency:g}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench, name="bench")
