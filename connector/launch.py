@@ -187,8 +187,11 @@ def spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: st
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
+        # cwd: not the repository root, whose top-level folders (kernels/, codec/) would
+        # shadow PyPI packages of the same name (transformers probes `import kernels`).
         popen = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=str(log_dir),
         )
     logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
     return ManagedProcess(name, popen, log_path, url)

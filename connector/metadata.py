@@ -31,7 +31,11 @@ class SaveBlock:
 
 @dataclass
 class SaveRequest:
+    """Blocks to encode this step; ``block_ids[i]`` is the paged block of request block ``i``
+    (the codec places token ``t`` by ``block_ids[t // block_size]``)."""
+
     request_id: str
+    block_ids: list[int]
     blocks: list[SaveBlock]
 
 
@@ -67,6 +71,7 @@ class LoadRequest:
     peer: PeerAddress
     blocks: list[LoadBlock]
     preset: str
+    block_ids: list[int] = field(default_factory=list)  # local block of request block i
 
     @property
     def release_only(self) -> bool:

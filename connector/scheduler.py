@@ -339,7 +339,10 @@ class TurboWireScheduler:
             for i in range(first_block, last_block)
         ]
         self._pending_loads.append(
-            LoadRequest(req_id, remote.request_id, peer, load_blocks, remote.preset)
+            LoadRequest(
+                req_id, remote.request_id, peer, load_blocks, remote.preset,
+                block_ids=[b.block_id for b in group[:last_block]],
+            )
         )
 
     def _parse(self, request: Request) -> RemotePrefill | None:
@@ -436,13 +439,13 @@ class TurboWireScheduler:
                 )
             )
             state.wire_bytes += sum(
-                self.codec.encoded_nbytes(layer, n, spec.num_kv_heads)
+                self.codec.encoded_nbytes(layer, n, spec.num_kv_heads, i * self.block_size)
                 for layer, spec in enumerate(self.geometry.layers)
             )
             state.dense_bytes += n * self.geometry.dense_bytes_per_token(self._element_size())
         state.encoded_blocks = target_blocks
         self._publish_gauges()
-        return SaveRequest(request.request_id, blocks)
+        return SaveRequest(request.request_id, list(block_ids[:target_blocks]), blocks)
 
     def _finish_send(self, state: SendState) -> dict[str, Any] | None:
         from vllm.v1.request import RequestStatus

@@ -77,6 +77,8 @@ class LoadJob:
     xfer: NixlTransfer | None = None
     posted: float = 0.0
     handshake_seconds: float = 0.0
+    claim: Future | None = None
+    claimed: bool = False
 
 
 def _failure_reason(exc: BaseException) -> str:
@@ -208,12 +210,15 @@ class TurboWireWorker:
             self.mem_type,
         )
 
-    def chunk_nbytes(self, layer: int, num_tokens: int) -> int:
-        key = (layer, num_tokens)
+    def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
+        """Exact bytes of the chunk of request block ``block_index`` (the first block of a
+        sequence carries extra rows, so the size depends on where the block starts)."""
+        key = (layer, num_tokens, block_index == 0)
         size = self._sizes.get(key)
         if size is None:
             heads = self.geometry.layers[layer].num_kv_heads
-            size = int(self.codec.encoded_nbytes(layer, num_tokens, heads))
+            offset = block_index * self.geometry.block_size
+            size = int(self.codec.encoded_nbytes(layer, num_tokens, heads, offset))
             self._sizes[key] = size
         return size
 
@@ -244,7 +249,7 @@ class TurboWireWorker:
             for block in save.blocks:
                 dense += block.num_tokens * self.geometry.dense_bytes_per_token(elem)
                 wire += sum(
-                    self.chunk_nbytes(layer, block.num_tokens)
+                    self.chunk_nbytes(layer, block.num_tokens, block.index)
                     for layer in range(self.geometry.num_layers)
                 )
         self.stats.record_send(TRANSPORT, self.config.preset, dense, wire)
@@ -261,33 +266,33 @@ class TurboWireWorker:
         assert self.staging is not None
         items = []
         limits = []
+        expected = []
+        bs = self.geometry.block_size
         for save in saves:
             for block in save.blocks:
                 items.append(
                     EncodeItem(
-                        block_ids=[block.block_id],
-                        token_start=0,
+                        block_ids=save.block_ids,
+                        token_start=block.index * bs,
                         num_tokens=block.num_tokens,
                         out_offset=self.layout.chunk_offset(block.slot, layer),
                         tag=block.tag,
                     )
                 )
                 limits.append(self.layout.full_chunk_bytes[layer])
+                expected.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
         t0 = time.perf_counter()
         written = encode_into(
             self.codec, layer, cache, self.paged_layouts[layer], items, self.staging
         )
         self._step_encode_seconds += time.perf_counter() - t0
-        for n, limit, item in zip(written, limits, items, strict=True):
+        for n, limit, want in zip(written, limits, expected, strict=True):
             if n > limit:  # would have spilled into the next layer's chunk
                 raise RuntimeError(
                     f"codec wrote {n} bytes for a block of layer {layer}, slot room is {limit}"
                 )
-            if n != self.chunk_nbytes(layer, item.num_tokens):
-                raise RuntimeError(
-                    f"codec wrote {n} bytes, encoded_nbytes promised "
-                    f"{self.chunk_nbytes(layer, item.num_tokens)}"
-                )
+            if n != want:
+                raise RuntimeError(f"codec wrote {n} bytes, encoded_nbytes promised {want}")
 
     # ------------------------------------------------------------------ decode: load
     def start_load_kv(self, meta: TurboWireConnectorMetadata) -> None:
@@ -348,6 +353,8 @@ class TurboWireWorker:
             peer = self._peer_for(job)
             if peer is None:
                 return False
+            if not self._claimed(job):
+                return False
             if not self._post(job, peer):
                 return False
         state = job.xfer.state()
@@ -395,6 +402,30 @@ class TurboWireWorker:
         )
         return state
 
+    def _claimed(self, job: LoadJob) -> bool:
+        """Extend the prefill lease before reading: a slot is only read while its lease is known
+        to hold, so an expired (possibly reused) slot is never decoded."""
+        if job.claimed:
+            return True
+        if job.claim is None:
+            load = job.load
+            client = self._clients.get(load.peer.host, load.peer.port)
+            job.claim = self._executor.submit(
+                client.heartbeat, [load.remote_request_id], self.engine_id
+            )
+            return False
+        if not job.claim.done():
+            return False
+        reply = job.claim.result()
+        if job.load.remote_request_id in reply.unknown:
+            raise LoadFailed(
+                "lease_expired",
+                f"the prefill engine no longer holds request {job.load.remote_request_id} "
+                "(lease expired before the decode engine got to it; raise lease_seconds)",
+            )
+        job.claimed = True
+        return True
+
     def _handshake_rpc(self, peer: PeerAddress) -> PeerInfo:
         """Network part of the handshake (thread pool; no NIXL calls here)."""
         client = self._clients.get(peer.host, peer.port)
@@ -426,13 +457,10 @@ class TurboWireWorker:
         bad = [s for s in slots if not 0 <= s < staging.num_slots]
         if bad:
             raise LoadFailed("bounds", f"staging slots {bad[:5]} outside the peer's {staging.num_slots}")
-        num_blocks = self.kv_caches[0].shape[self.paged_layouts[0].block_dim] if hasattr(
-            self.paged_layouts[0], "block_dim"
-        ) else None
-        if num_blocks is not None:
-            bad_local = [b.block_id for b in load.blocks if not 0 <= b.block_id < num_blocks]
-            if bad_local:
-                raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
+        num_blocks = self.paged_layouts[0].num_blocks
+        bad_local = [b for b in load.block_ids if not 0 <= b < num_blocks]
+        if bad_local:
+            raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
         offsets: dict[tuple[int, int], tuple[int, int]] = {}
         local_rows: list[tuple[int, int, int]] = []
         remote_rows: list[tuple[int, int, int]] = []
@@ -441,7 +469,7 @@ class TurboWireWorker:
             if not 0 < block.num_tokens <= self.geometry.block_size:
                 raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
             for layer in range(self.geometry.num_layers):
-                size = self.chunk_nbytes(layer, block.num_tokens)
+                size = self.chunk_nbytes(layer, block.num_tokens, block.index)
                 offsets[(bi, layer)] = (cursor, size)
                 remote_rows.append(
                     (
@@ -470,13 +498,12 @@ class TurboWireWorker:
             [(base + off, size, device_id) for off, size, _ in local_rows], dtype=np.uint64
         )
         remote = np.array(remote_rows, dtype=np.uint64)
+        job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
         try:
             job.xfer = self.transport.read(peer.agent, local, remote, self.mem_type)
         except TransportError:
             self._free_recv(job)
             raise
-        job.posted = time.perf_counter()
-        job.handshake_seconds = job.handshake_seconds or 0.0
         return True
 
     def _decode(self, job: LoadJob) -> float:
@@ -484,14 +511,18 @@ class TurboWireWorker:
 
         assert self.recv is not None and job.recv_offset is not None
         t0 = time.perf_counter()
+        bs = self.geometry.block_size
+        table = job.load.block_ids
         for layer in range(self.geometry.num_layers):
             items = []
             for bi, block in enumerate(job.load.blocks):
                 off, size = job.chunk_offsets[(bi, layer)]
+                if block.index >= len(table) or table[block.index] != block.block_id:
+                    raise LoadFailed("bounds", f"block table does not map block {block.index}")
                 items.append(
                     DecodeItem(
-                        block_ids=[block.block_id],
-                        token_start=0,
+                        block_ids=table,
+                        token_start=block.index * bs,
                         num_tokens=block.num_tokens,
                         in_offset=job.recv_offset + off,
                         nbytes=size,

@@ -1,0 +1,116 @@
+"""E2E fixtures: real vLLM CPU engines with TurboWireConnector, pinned to separate cores, and the
+real proxy. One P/D pair runs at a time (module scope: the raw-preset module, then the
+compressed one), under the machine-wide engine lock; everything is stopped by process group."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from connector_tiny_model import ensure_tiny_llama  # noqa: E402
+
+from turbowire.connector.launch import (  # noqa: E402
+    EngineSpec,
+    ManagedProcess,
+    ProcessGroup,
+    engine_lock,
+    free_port,
+    start_engine,
+    start_proxy,
+    turbowire_kv_config,
+)
+
+BLOCK_SIZE = 32
+MODEL_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return ensure_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def engine_slot() -> Iterator[None]:
+    """The whole e2e session holds the machine-wide engine lock (one engine workload at a time)."""
+    with engine_lock():
+        yield
+
+
+@dataclass
+class PDStack:
+    preset: str
+    prefill: ManagedProcess
+    decode: ManagedProcess
+    proxy: ManagedProcess
+    staging_bytes: int
+
+    def complete(self, url: str, prompt: str | list[int], max_tokens: int = 16, **kw) -> dict:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, **kw}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300,
+                       headers=kw.pop("headers", None) or {})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metrics(self, url: str) -> dict[str, float]:
+        """Sum of every sample by ``name{labels}`` line (labels kept) of one engine."""
+        out: dict[str, float] = {}
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+        return out
+
+
+def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in samples.items():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?$", key)
+        if not m or m.group(1) != name:
+            continue
+        lbl = m.group(2) or ""
+        if all(f'{k}="{v}"' in lbl for k, v in labels.items()):
+            total += value
+    return total
+
+
+def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
+                extra: dict | None = None) -> tuple[ProcessGroup, PDStack]:
+    group = ProcessGroup()
+    try:
+        common = dict(kvcache_gib=1, block_size=BLOCK_SIZE, max_model_len=2048, max_num_seqs=8,
+                      max_num_batched_tokens=1024, served_model_name=MODEL_NAME)
+        cfg = dict(preset=preset, staging_bytes=staging_bytes, lease_seconds=10,
+                   **(extra or {}))
+        p = group.add(start_engine(EngineSpec(
+            "prefill", model, free_port(), cpu=0,
+            kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **cfg),
+            **common), log_dir))
+        d = group.add(start_engine(EngineSpec(
+            "decode", model, free_port(), cpu=1,
+            kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **cfg),
+            **common), log_dir))
+        p.wait_healthy(900)
+        d.wait_healthy(900)
+        x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
+        x.wait_healthy(120)
+        stack = PDStack(preset, p, d, x, staging_bytes)
+        # Warm-up: handshake + NIXL connection before any timed or compared request.
+        stack.complete(x.url, "warm up the connection please", max_tokens=2)
+        return group, stack
+    except BaseException:
+        group.stop()
+        raise

@@ -1,0 +1,137 @@
+"""Real engines with a compressed preset: completions are produced, the decode engine counts the
+prompt tokens as external (vLLM's prompt-tokens-by-source metric), the bytes that crossed the
+wire are exactly the codec's chunk sizes (so the ratio is the preset's), and an unread lease
+expires and frees the prefill engine's staging."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+from conftest import BLOCK_SIZE, MODEL_NAME, metric_sum, start_stack
+from test_connector_e2e_raw import pd, prompt_ids, staging_bytes_for
+
+pytestmark = pytest.mark.e2e
+
+PRESET = "tq4"
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
+DENSE_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, engine_slot, tmp_path_factory):
+    group, st = start_stack(
+        tiny_model, PRESET, tmp_path_factory.mktemp("logs-tq"), staging_bytes_for(PRESET, 64),
+        extra={"load_failure_policy": "recompute"},
+    )
+    yield st
+    group.stop()
+
+
+def expected_wire_bytes(n: int) -> int:
+    from turbowire.codec import Codec
+
+    codec = Codec(PRESET, HEAD_DIM, LAYERS)
+    total = 0
+    for i in range((n + BLOCK_SIZE - 1) // BLOCK_SIZE):
+        tokens = min(BLOCK_SIZE, n - i * BLOCK_SIZE)
+        total += sum(
+            codec.encoded_nbytes(layer, tokens, KV_HEADS, i * BLOCK_SIZE) for layer in range(LAYERS)
+        )
+    return total
+
+
+def _wait_metric(stack, url, name, target, **labels) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        m = stack.metrics(url)
+        if metric_sum(m, name, **labels) >= target or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("n", [7, 64, 97, 300])
+def test_compressed_transfer_bytes_ratio_and_external_tokens(stack, n):
+    d = stack.decode.url
+    before = stack.metrics(d)
+    prompt = prompt_ids(5000 + n, n)
+    out = pd(stack, prompt, max_tokens=10)
+    assert out["choices"][0]["text"].strip(), "a completion must be produced"
+    load = out["kv_transfer_params"]["turbowire_load"]
+    assert load["failed"] is None and load["tokens"] == n
+    want_wire = expected_wire_bytes(n)
+    assert load["wire_bytes"] == want_wire
+    assert load["dense_bytes"] == n * DENSE_PER_TOKEN
+
+    after = _wait_metric(
+        stack, d, "turbowire_kv_transfers_total",
+        metric_sum(before, "turbowire_kv_transfers_total", direction="recv") + 1,
+        direction="recv",
+    )
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    assert delta("turbowire_kv_wire_bytes_total", direction="recv", preset=PRESET) == want_wire
+    assert delta("turbowire_kv_dense_bytes_total", direction="recv", preset=PRESET) == (
+        n * DENSE_PER_TOKEN
+    )
+    ratio = (n * DENSE_PER_TOKEN) / want_wire
+    if n >= BLOCK_SIZE:
+        assert ratio > 3.0, f"{PRESET} should move >3x fewer bytes than bf16, got {ratio:.2f}"
+    # vLLM itself counts the loaded prompt tokens as coming from a KV transfer.
+    external = delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert n - 1 <= external <= n
+
+
+def test_concurrent_compressed_requests(stack):
+    prompts = [prompt_ids(6000 + i, 50 + 41 * i) for i in range(5)]
+    with cf.ThreadPoolExecutor(5) as pool:
+        outs = list(pool.map(lambda p: pd(stack, p, max_tokens=8), prompts))
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert out["choices"][0]["text"].strip()
+        assert out["kv_transfer_params"]["turbowire_load"]["tokens"] == len(prompt)
+
+
+def test_unread_lease_expires_and_frees_staging(stack):
+    """A prefill whose decode never comes: the lease (10 s here) expires, staging is freed."""
+    p = stack.prefill.url
+    before = stack.metrics(p)
+    body = {"model": MODEL_NAME, "prompt": prompt_ids(7000, 120), "max_tokens": 1,
+            "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+    kv = httpx.post(p + "/v1/completions", json=body, timeout=300).json()["kv_transfer_params"]
+    assert len(kv["remote_block_ids"]) == 4
+    held = _wait_metric(stack, p, "turbowire_leases_outstanding", 1)
+    assert metric_sum(held, "turbowire_staging_in_use_bytes") > 0
+    expired = _wait_metric(
+        stack, p, "turbowire_kv_transfer_failures_total",
+        metric_sum(before, "turbowire_kv_transfer_failures_total", reason="lease_expired") + 1,
+        reason="lease_expired",
+    )
+    deadline = time.monotonic() + 20
+    while metric_sum(expired, "turbowire_kv_transfer_failures_total", reason="lease_expired") <= (
+        metric_sum(before, "turbowire_kv_transfer_failures_total", reason="lease_expired")
+    ) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        expired = stack.metrics(p)
+    assert metric_sum(expired, "turbowire_kv_transfer_failures_total", reason="lease_expired") == (
+        metric_sum(before, "turbowire_kv_transfer_failures_total", reason="lease_expired") + 1
+    )
+    # A decode engine arriving after expiry learns it when it claims the lease, reads nothing,
+    # and (load_failure_policy=recompute) computes the prompt itself.
+    d = stack.decode.url
+    d_before = stack.metrics(d)
+    d_body = {"model": MODEL_NAME, "prompt": body["prompt"], "max_tokens": 4, "temperature": 0,
+              "kv_transfer_params": kv}
+    late = httpx.post(d + "/v1/completions", json=d_body, timeout=300)
+    assert late.status_code == 200 and late.json()["choices"][0]["text"].strip()
+    d_after = _wait_metric(
+        stack, d, "turbowire_kv_transfer_failures_total",
+        metric_sum(d_before, "turbowire_kv_transfer_failures_total", reason="lease_expired") + 1,
+        reason="lease_expired",
+    )
+    assert metric_sum(d_after, "turbowire_kv_transfer_failures_total", reason="lease_expired") == (
+        metric_sum(d_before, "turbowire_kv_transfer_failures_total", reason="lease_expired") + 1
+    )

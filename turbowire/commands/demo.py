@@ -1,0 +1,78 @@
+"""``turbowire demo``: prefill + decode engines and the proxy on localhost, a few prompts, a table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(
+        preset: str = typer.Option("tq4", help="Codec preset the engines use on the wire."),
+        max_tokens: int = typer.Option(48, help="Tokens to generate per prompt."),
+        prompt: list[str] = typer.Option(
+            None, "--prompt", help="Prompt to send (repeatable); default: four built-in prompts."
+        ),
+        log_dir: Path = typer.Option(
+            Path("/tmp/turbowire-demo"), help="Where the engine and proxy logs go."
+        ),
+    ) -> None:
+        """Run SmolLM2-135M-Instruct disaggregated on this machine and show what moved.
+
+        Starts a prefill and a decode vLLM CPU engine (one core each) with TurboWireConnector and
+        the P/D proxy, sends the prompts through the proxy, prints each completion and a table
+        (prompt tokens, dense bytes, wire bytes, ratio, transfer ms, TTFT), then stops everything.
+
+        Examples:
+
+          turbowire demo
+
+          turbowire demo --preset raw --prompt "What is the capital of France?"
+        """
+        from rich.console import Console
+        from rich.table import Table
+
+        from turbowire.connector.codecs import known_presets
+        from turbowire.connector.demo import DEFAULT_PROMPTS, run_demo
+        from turbowire.models import ensure_smollm2
+
+        console = Console()
+        presets = known_presets()
+        if preset not in presets:
+            raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {presets}")
+        model = ensure_smollm2()
+        run = run_demo(
+            model=model,
+            preset=preset,
+            prompts=prompt or DEFAULT_PROMPTS,
+            max_tokens=max_tokens,
+            log_dir=log_dir,
+            on_progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
+        )
+        for i, res in enumerate(run.results, 1):
+            short = res.prompt if len(res.prompt) < 90 else res.prompt[:87] + "..."
+            console.print(f"\n[bold]#{i} prompt:[/bold] {short}")
+            console.print(f"[bold]#{i} completion:[/bold] {res.completion.strip()}")
+        table = Table(title=f"turbowire P/D transfers (preset {run.preset}, SmolLM2-135M-Instruct)")
+        for col in ("#", "prompt tokens", "dense bytes", "wire bytes", "ratio", "transfer ms",
+                    "prefill ms", "TTFT ms"):
+            table.add_column(col, justify="right")
+        for i, res in enumerate(run.results, 1):
+            table.add_row(
+                str(i),
+                str(res.prompt_tokens),
+                f"{res.dense_bytes:,.0f}",
+                f"{res.wire_bytes:,.0f}",
+                f"{res.ratio:.2f}x" if res.ratio else "-",
+                f"{res.transfer_ms:.1f}" if res.transfer_ms is not None else "-",
+                f"{res.prefill_ms:.0f}" if res.prefill_ms else "-",
+                f"{res.ttft_ms:.0f}",
+            )
+        console.print()
+        console.print(table)
+        console.print(
+            f"[dim]startup {run.startup_seconds:.0f} s, warm-up request {run.warmup_ms:.0f} ms; "
+            f"logs in {log_dir}[/dim]"
+        )
