@@ -139,6 +139,16 @@ def chunk_mean(x: torch.Tensor) -> torch.Tensor:
     return (token_pairwise_sum(x) / float(x.shape[0])).to(torch.float16)
 
 
+def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (the FORMAT.md contract).
+
+    torch.sqrt on fp32 CPU tensors goes through MKL's vector math and is off by one ulp for ~17%
+    of inputs, which changed stored scales and codes against other implementations. The fp64
+    square root rounded to fp32 is the correctly rounded fp32 result (53 >= 2*24 + 2 bits).
+    """
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
 def lloyd_quantize(
     xc: torch.Tensor, groups: list[tuple[int, int]]
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -146,7 +156,7 @@ def lloyd_quantize(
     vectors xc [..., D]; ``groups`` lists (bits, count) of consecutive rotated coordinates."""
     dim = xc.shape[-1]
     u = rotate(xc)
-    norm = torch.sqrt(pairwise_sum(xc * xc))
+    norm = ieee_sqrt(pairwise_sum(xc * xc))
     inv = torch.where(norm > 0, 1.0 / norm, torch.zeros_like(norm))
     v = u * inv.unsqueeze(-1)
     codes, recon = [], []
@@ -159,7 +169,7 @@ def lloyd_quantize(
         recon.append(centroids(bits).to(xc.device)[idx])
         start += count
     c = torch.cat(recon, dim=-1)
-    cnorm = torch.sqrt(pairwise_sum(c * c))
+    cnorm = ieee_sqrt(pairwise_sum(c * c))
     sqrt_d = torch.tensor(math.sqrt(dim), dtype=torch.float32, device=xc.device)
     scale = norm / (sqrt_d * cnorm)
     return codes, scale.clamp(max=FP16_MAX).to(torch.float16)
