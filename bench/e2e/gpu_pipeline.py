@@ -135,11 +135,11 @@ def _make_caches(geo: Geometry, num_blocks: int, device: str, fill: bool) -> lis
     import torch
 
     caches = []
-    g = torch.Generator(device="cpu").manual_seed(1234)
+    g = torch.Generator(device=device).manual_seed(1234)
     for _ in range(geo.num_layers):
         shape = (2, num_blocks, geo.block_size, geo.num_kv_heads, geo.head_dim)
-        if fill:
-            t = torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16).to(device)
+        if fill:  # generated where it lives (GBs of KV on the GPU)
+            t = torch.randn(shape, generator=g, dtype=torch.bfloat16, device=device)
         else:
             t = torch.zeros(shape, dtype=torch.bfloat16, device=device)
         caches.append(t)

@@ -18,6 +18,7 @@ comparable across them. Load with ``kv_connector_module_path=turbowire.bench_e2e
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
@@ -60,7 +61,24 @@ class _TimingMixin:
 
 
 class TimedNixlConnector(_TimingMixin, NixlConnector):
-    """vLLM's NixlConnector (pull mode), unchanged, plus timestamps."""
+    """vLLM's NixlConnector (pull mode), unchanged, plus timestamps -- and one fix-up.
+
+    On CPU, NixlConnector's worker pins the calling thread (the engine worker's main thread, and
+    every thread it starts later) to the last core of each NUMA node ("reserve different cores for
+    start_load_kv() from model_forward()"). On a 2-core machine that is core 1 for both engines,
+    so the prefill and decode engines share one core while the other idles, undoing
+    ``VLLM_CPU_OMP_THREADS_BIND``. The wrapper restores the affinity the engine had before the
+    connector was built (logged), so both connectors run with the same core placement.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        before = os.sched_getaffinity(0)
+        super().__init__(*args, **kwargs)
+        after = os.sched_getaffinity(0)
+        if after != before:
+            os.sched_setaffinity(0, before)
+            logger.warning("NixlConnector re-pinned this thread to cores %s; restored %s",
+                           sorted(after), sorted(before))
 
 
 def __getattr__(name: str) -> Any:

@@ -70,6 +70,12 @@ def e2e(
         plan = BenchPlan.full(conns, **kw) if full else BenchPlan.reduced(conns, **kw)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    import signal
+
+    def _terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwind: engines, proxy and the link are removed
+
+    signal.signal(signal.SIGTERM, _terminate)
     with engine_lock():
         result = run_bench(plan, out)
     typer.echo((out / "results.md").read_text())
