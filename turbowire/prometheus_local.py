@@ -242,11 +242,14 @@ class LocalPrometheus:
         return {r["name"]: r["health"] for g in data["groups"] for r in g["rules"]}
 
     def wait_for_targets_up(self, timeout_s: float = 30.0) -> None:
-        self.wait_for(
-            lambda: all(h == "up" for h in self.targets_health().values()) or None,
-            timeout_s,
-            "all targets up",
-        )
+        """Wait until every configured target has been scraped successfully at least once."""
+        expected = sum(len(a) for a in self.targets.values())
+
+        def all_up() -> bool:
+            health = self.targets_health()
+            return len(health) == expected and all(h == "up" for h in health.values())
+
+        self.wait_for(all_up, timeout_s, f"all {expected} targets up")
 
     def wait_for(
         self, probe: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5
