@@ -95,7 +95,7 @@ def kv_transfer_config(conn: ConnectorConfig, role: str, side_host: str, side_po
     return {
         "kv_connector": "TimedTurboWireConnector",
         "kv_connector_module_path": "turbowire.bench_e2e.timed",
-        "kv_role": "kv_both",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_connector_extra_config": extra,
     }
 

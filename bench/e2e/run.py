@@ -28,6 +28,8 @@ import asyncio
 import json
 import logging
 import platform
+import re
+import subprocess
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -357,10 +359,11 @@ def run_config(link: EmulatedLink, conn: ConnectorConfig, plan: BenchPlan, setti
 
 #: Log lines that mean a transfer went wrong or raced a lease (counted per config and engine).
 LOG_FINDINGS = {
-    "lease_expired": "Releasing expired KV blocks",
-    "invalid_blocks_read": "Potentially invalid KV blocks",
-    "failed_transfer": "failed transfer",
-    "traceback": "Traceback (most recent call last)",
+    "lease_expired": re.compile(r"Releasing expired KV blocks"),
+    "invalid_blocks_read": re.compile(r"Potentially invalid KV blocks"),
+    "nixl_failed_transfers": re.compile(r"Num failed transfers=[1-9]"),
+    "turbowire_load_failed": re.compile(r"KV load of request \S+ from engine \S+ failed"),
+    "traceback": re.compile(r"Traceback \(most recent call last\)"),
 }
 
 
@@ -374,8 +377,8 @@ def scan_logs(workdir: Path, label: str) -> dict[str, int]:
         text = path.read_text(errors="replace")
         cut = text.find("[shutdown]")  # engines are killed at the end: ignore what follows
         text = text if cut < 0 else text[:cut]
-        for key, needle in LOG_FINDINGS.items():
-            n = text.count(needle)
+        for key, pattern in LOG_FINDINGS.items():
+            n = len(pattern.findall(text))
             if n:
                 found[f"{role}:{key}"] = n
     return found
@@ -395,7 +398,16 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2],
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    return {"git": git("rev-parse", "--short", "HEAD"),
+            "git_dirty_files": len(git("status", "--porcelain", "--untracked-files=no").splitlines()),
+            "cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__,
             "vllm": getattr(vllm, "__version__", "?"), "host": platform.node()}
 

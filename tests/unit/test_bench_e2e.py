@@ -189,3 +189,20 @@ def test_median_and_labels() -> None:
     assert median([None, 3.0, 1.0, float("nan")]) == 2.0
     assert median([None]) is None
     assert [rate_label(r) for r in (0.2, 1.0, 10.0, None)] == ["0.2G", "1G", "10G", "unshaped"]
+
+
+def test_scan_logs_counts_findings_before_shutdown_only(tmp_path) -> None:
+    from turbowire.bench_e2e.run import scan_logs
+
+    (tmp_path / "nixl-prefill.log").write_text(
+        "WARNING Releasing expired KV blocks for request a\n"
+        "ERROR Potentially invalid KV blocks for unrecognized request a\n"
+        "INFO KV Transfer metrics: Num successful transfers=2, Num failed transfers=0\n"
+        "INFO [shutdown] API server: shutdown triggered\n"
+        "Traceback (most recent call last):\n")
+    (tmp_path / "nixl-decode.log").write_text(
+        "INFO KV Transfer metrics: Num failed transfers=3\n")
+    found = scan_logs(tmp_path, "nixl")
+    assert found == {"prefill:lease_expired": 1, "prefill:invalid_blocks_read": 1,
+                     "decode:nixl_failed_transfers": 1}
+    assert scan_logs(tmp_path, "missing") == {}
