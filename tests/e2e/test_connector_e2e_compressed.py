@@ -135,3 +135,13 @@ def test_unread_lease_expires_and_frees_staging(stack):
     assert metric_sum(d_after, "turbowire_kv_transfer_failures_total", reason="lease_expired") == (
         metric_sum(d_before, "turbowire_kv_transfer_failures_total", reason="lease_expired") + 1
     )
+
+
+def test_prometheus_recording_rule_matches_logged_ratio(stack):
+    """Real Prometheus scrapes this pair (metrics engineer's check, tests/e2e/metrics_pd_check.py):
+    the recording rule's compression ratio equals the ratio each connector logged within 5 %, and
+    the dashboard's key queries have data."""
+    from metrics_pd_check import check_prometheus_against_pd
+
+    prompts = [prompt_ids(8000 + i, 90 + 57 * i) for i in range(6)]
+    check_prometheus_against_pd(stack, MODEL_NAME, prompts, max_tokens=4)
