@@ -43,8 +43,10 @@ test-unit: venv
 eval: setup
 	$(VENV)/bin/turbowire eval
 
+# P/D demo: prefill + decode vLLM CPU engines (one core each) and the proxy on localhost, a few
+# prompts, a table per request; holds the machine-wide engine lock while engines run.
 demo: setup
-	$(VENV)/bin/turbowire eval
+	flock /tmp/tw-engine.lock env TW_ENGINE_LOCK_HELD=1 $(VENV)/bin/turbowire demo
 
 # End-to-end P/D benchmark on CPU: two engines, a tbf-shaped veth link (needs root: ip, tc),
 # NixlConnector vs turbowire. Reduced default (~20 min); BENCH_E2E_ARGS=--full for the matrix.

@@ -161,13 +161,12 @@ class TurboWireWorker:
         """Order caches like the geometry, allocate + register the staging/receive buffers."""
         from turbowire.connector.sidechannel.client import ClientPool
         from turbowire.connector.transports.nixl import NixlTransport
-        from turbowire.kernels import PagedKVLayout
 
         missing = [layer.name for layer in self.geometry.layers if layer.name not in kv_caches]
         if missing:
             raise GeometryError(f"vLLM registered no KV cache for layers {missing[:3]}")
         self.kv_caches = [kv_caches[layer.name] for layer in self.geometry.layers]
-        self.paged_layouts = [PagedKVLayout.from_cache(t) for t in self.kv_caches]
+        self.paged_layouts = [self._layout_of(t) for t in self.kv_caches]
         device = self.kv_caches[0].device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         try:
@@ -209,6 +208,16 @@ class TurboWireWorker:
             self.config.recv_bytes if self.is_consumer else 0,
             self.mem_type,
         )
+
+    def _layout_of(self, cache: torch.Tensor) -> Any:
+        """The cache's layout; on CPU with the token placement vLLM's attention really uses."""
+        from turbowire.kernels import PagedKVLayout
+
+        if cache.dim() == 4 and cache.device.type == "cpu":
+            from turbowire.connector.cpu_cache import cpu_kv_layout
+
+            return cpu_kv_layout(cache, self.geometry.head_dim)
+        return PagedKVLayout.from_cache(cache, head_dim=self.geometry.head_dim)
 
     def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
         """Exact bytes of the chunk of request block ``block_index`` (the first block of a
