@@ -6,6 +6,8 @@ Pure logic (no engines), unit-tested. Definitions used in every table:
   engine's connector reporting the KV in its paged cache (``load_done``), from the timestamps of
   :mod:`turbowire.bench_e2e.timed`. It includes the proxy's hop, the decode engine's scheduling,
   the transfer and (turbowire) verify + decode into the cache.
+- **decode TTFT**: the proxy sent the request to the decode engine until its first streamed token
+  (KV pull + decode into the cache + the first token): proxy record ``decode_ttft_seconds``.
 - **decode request**: the proxy sent the request to the decode engine until the decode engine's
   stream ended (KV pull + decode into the cache + the first ``max_tokens`` tokens): proxy record
   ``total_seconds - prefill_seconds``.
@@ -45,6 +47,7 @@ class RequestResult:
     ttft_s: float | None = None
     prefill_s: float | None = None  # proxy: prefill engine round trip
     decode_request_s: float | None = None  # proxy: decode engine request until stream end
+    decode_ttft_s: float | None = None  # proxy: decode engine request until its first token
     total_s: float | None = None
     handoff_s: float | None = None  # prefill_done (P connector) -> load_done (D connector)
     pull_s: float | None = None  # load_queued (D scheduler) -> load_done (D worker)
@@ -65,6 +68,7 @@ class CellResult:
     handoff_s: float | None = None
     pull_s: float | None = None
     decode_request_s: float | None = None
+    decode_ttft_s: float | None = None
     ttft_s: float | None = None
     prefill_s: float | None = None
     wire_bytes: float | None = None  # per request, veth counters
@@ -133,6 +137,7 @@ def summarize(
         n_ok=n, n_failed=len(requests) - n, measured_gbit=measured_gbit,
         handoff_s=median(r.handoff_s for r in ok), pull_s=median(r.pull_s for r in ok),
         decode_request_s=median(r.decode_request_s for r in ok),
+        decode_ttft_s=median(r.decode_ttft_s for r in ok),
         ttft_s=median(r.ttft_s for r in ok), prefill_s=median(r.prefill_s for r in ok),
         wire_bytes=per(link_bytes) if link_bytes is not None else None,
         connector_bytes=per(connector_bytes) if connector_bytes is not None else None,
@@ -141,7 +146,7 @@ def summarize(
     )
 
 
-RATIO_FIELDS = ("handoff_s", "decode_request_s", "ttft_s", "wire_bytes")
+RATIO_FIELDS = ("handoff_s", "decode_ttft_s", "decode_request_s", "ttft_s", "wire_bytes")
 
 
 def add_ratios(cells: Sequence[CellResult], baseline: str = BASELINE) -> None:
@@ -174,8 +179,9 @@ def _fmt_ratio(c: CellResult, f: str) -> str:
 def markdown_table(cells: Sequence[CellResult]) -> str:
     """One row per cell, grouped by link rate, length, concurrency, then config."""
     head = ("| link | meas. Gbit/s | prompt | conc | config | ok | handoff s | x nixl | "
-            "decode req s | x nixl | TTFT s | x nixl | wire MB/req | x nixl | conn. MB/req |")
-    sep = "|" + "|".join(["---"] * 15) + "|"
+            "decode TTFT s | x nixl | decode req s | x nixl | TTFT s | x nixl | wire MB/req | "
+            "x nixl | conn. MB/req |")
+    sep = "|" + "|".join(["---"] * 17) + "|"
     rows = [head, sep]
     order = sorted(cells, key=lambda c: (math.inf if c.rate_gbit is None else c.rate_gbit,
                                          c.length, c.concurrency, c.config != BASELINE, c.config))
@@ -184,6 +190,7 @@ def markdown_table(cells: Sequence[CellResult]) -> str:
         rows.append(
             f"| {rate_label(c.rate_gbit)} | {meas} | {c.length} | {c.concurrency} | {c.config} | "
             f"{c.n_ok}/{c.n_ok + c.n_failed} | {_fmt_s(c.handoff_s)} | {_fmt_ratio(c, 'handoff_s')} | "
+            f"{_fmt_s(c.decode_ttft_s)} | {_fmt_ratio(c, 'decode_ttft_s')} | "
             f"{_fmt_s(c.decode_request_s)} | {_fmt_ratio(c, 'decode_request_s')} | "
             f"{_fmt_s(c.ttft_s)} | {_fmt_ratio(c, 'ttft_s')} | {_fmt_mb(c.wire_bytes)} | "
             f"{_fmt_ratio(c, 'wire_bytes')} | {_fmt_mb(c.connector_bytes)} |")

@@ -296,6 +296,7 @@ def run_cell(pair: EnginePair, plan: BenchPlan, prompts: PromptFactory, rate: fl
             config=pair.conn.label, rate_gbit=rate, length=length, concurrency=conc,
             request_id=item["rid"], ok=ok, ttft_s=item["ttft"], prefill_s=prefill_s,
             decode_request_s=(total_s - prefill_s) if total_s and prefill_s else None,
+            decode_ttft_s=rec.get("decode_ttft_seconds"),
             total_s=item["total"], handoff_s=handoff, pull_s=pull,
             error=item["error"] or ("load_failed" if "load_failed" in marks else None)))
     breakdown, conn_bytes = _deltas(before, after)
@@ -303,9 +304,10 @@ def run_cell(pair: EnginePair, plan: BenchPlan, prompts: PromptFactory, rate: fl
                      link_bytes=(tx1 - tx0) + (rx1 - rx0), connector_bytes=conn_bytes,
                      dense_bytes_per_token=dense_per_token, measured_gbit=measured,
                      breakdown_totals=breakdown)
-    logger.info("cell %s %s len=%d c=%d: ok %d/%d handoff %s s, decode req %s s, TTFT %s s, "
-                "wire %.1f MB/req", pair.conn.label, rate_label(rate), length, conc, cell.n_ok,
-                len(results), _f(cell.handoff_s), _f(cell.decode_request_s), _f(cell.ttft_s),
+    logger.info("cell %s %s len=%d c=%d: ok %d/%d handoff %s s, decode TTFT %s s, decode req %s s, "
+                "TTFT %s s, wire %.1f MB/req", pair.conn.label, rate_label(rate), length, conc,
+                cell.n_ok, len(results), _f(cell.handoff_s), _f(cell.decode_ttft_s),
+                _f(cell.decode_request_s), _f(cell.ttft_s),
                 (cell.wire_bytes or 0) / 1e6)
     return cell, results
 

@@ -147,18 +147,18 @@ def test_summarize_uses_medians_and_per_request_bytes() -> None:
 
 def test_ratios_are_relative_to_the_same_nixl_cell() -> None:
     base = CellResult("nixl", 1.0, 2000, 1, 2, 0, handoff_s=2.0, decode_request_s=4.0,
-                      ttft_s=5.0, wire_bytes=100.0)
+                      decode_ttft_s=3.0, ttft_s=5.0, wire_bytes=100.0)
     tw = CellResult("tw-tq4", 1.0, 2000, 1, 2, 0, handoff_s=0.5, decode_request_s=1.0,
-                    ttft_s=2.5, wire_bytes=25.0)
+                    decode_ttft_s=1.5, ttft_s=2.5, wire_bytes=25.0)
     other = CellResult("tw-tq4", 0.2, 2000, 1, 2, 0, handoff_s=0.5)
     add_ratios([base, tw, other])
-    assert tw.ratios == {"handoff_s": 0.25, "decode_request_s": 0.25, "ttft_s": 0.5,
-                         "wire_bytes": 0.25}
+    assert tw.ratios == {"handoff_s": 0.25, "decode_ttft_s": 0.5, "decode_request_s": 0.25,
+                         "ttft_s": 0.5, "wire_bytes": 0.25}
     assert base.ratios["handoff_s"] == 1.0
     assert other.ratios == {}  # no baseline cell at 0.2G
     table = markdown_table([tw, base, other])
     lines = table.splitlines()
-    assert len(lines) == 5 and all(line.count("|") == 16 for line in lines)
+    assert len(lines) == 5 and all(line.count("|") == 18 for line in lines)
     # ordered by rate, then the baseline first within a cell
     assert "| 0.2G |" in lines[2] and "| nixl |" in lines[3] and "0.25" in lines[4]
 
