@@ -8,7 +8,7 @@ metrics:" lines) and prints both.
 
 Run (holds the machine-wide engine lock while engines run)::
 
-    python bench/metrics_run.py --preset tq4 --requests 24 --out bench/results/metrics_dashboard.png
+    python bench/metrics_run.py --preset tq4 --requests 12 --out bench/results/metrics_dashboard.png
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def prompt(rng: random.Random, n_words: int) -> str:
 
 
 def send_load(proxy_url: str, model: str, n: int, concurrency: int, seed: int,
-              max_tokens: int) -> list[float]:
+              max_tokens: int, words: tuple[int, int]) -> list[float]:
     """Streaming completions through the proxy; returns client-side TTFTs (s)."""
     rng = random.Random(seed)
-    sizes = [rng.randint(150, 900) for _ in range(n)]
+    sizes = [rng.randint(*words) for _ in range(n)]
 
     def one(i: int) -> float:
         body = {"model": model, "prompt": prompt(rng, sizes[i]), "max_tokens": max_tokens,
@@ -67,104 +67,121 @@ def send_load(proxy_url: str, model: str, n: int, concurrency: int, seed: int,
                     ttft = time.perf_counter() - t0
         return ttft
 
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(concurrency)
+    try:
         return list(pool.map(one, range(n)))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # Ctrl-C: drop queued requests
 
 
-def plot(prom: LocalPrometheus, start: float, end: float, out: Path, title: str) -> None:
+W = "30s"  # rate window of the latency / TTFT panels
+
+
+def _avg(metric: str, sel: str = "") -> str:
+    return f"sum(rate({metric}_sum{{{sel}}}[{W}])) / sum(rate({metric}_count{{{sel}}}[{W}]))"
+
+
+_D_XFER = _avg("turbowire_kv_transfer_duration_seconds", "role='consumer'")
+
+#: name -> PromQL of every series the plot draws (the dashboard's key panels)
+QUERIES: dict[str, str] = {
+    "ratio": "turbowire:kv_compression_ratio:rate1m",
+    "dense": "sum by (role) (turbowire:kv_dense_bytes:rate1m)",
+    "wire": "sum by (role) (turbowire:kv_wire_bytes:rate1m)",
+    "transfer_p50": "histogram_quantile(0.5, sum by (le) (rate("
+                    f"turbowire_kv_transfer_duration_seconds_bucket{{role='consumer'}}[{W}])))",
+    "transfer_p90": "histogram_quantile(0.9, sum by (le) (rate("
+                    f"turbowire_kv_transfer_duration_seconds_bucket{{role='consumer'}}[{W}])))",
+    "encode_p90": "histogram_quantile(0.9, sum by (le) (rate("
+                  f"turbowire_kv_encode_duration_seconds_bucket[{W}])))",
+    "decode_p90": "histogram_quantile(0.9, sum by (le) (rate("
+                  f"turbowire_kv_decode_duration_seconds_bucket[{W}])))",
+    "ttft_prefill": _avg("turbowire_proxy_prefill_duration_seconds"),
+    "ttft_transfer": _D_XFER,
+    "ttft_first_decode": f"clamp_min({_avg('turbowire_proxy_decode_ttft_seconds')} - ({_D_XFER}), 0)",
+    "staging_used": "sum(turbowire_staging_in_use_bytes{role='producer'})",
+    "staging_util": "sum(turbowire:staging_utilization:ratio{role='producer'})",
+    "leases": "sum(turbowire_leases_outstanding{role='producer'})",
+    "transfers": f"sum by (role, direction) (rate(turbowire_kv_transfers_total[{W}]))",
+    "failures": f"sum by (reason) (rate(turbowire_kv_transfer_failures_total[{W}]))",
+}
+
+
+def collect(prom: LocalPrometheus, start: float, end: float, step_s: float = 2.0
+            ) -> dict[str, list[tuple[dict[str, str], list[tuple[float, float]]]]]:
+    """Every plotted series from the Prometheus API (kept as JSON so the plot can be redrawn)."""
+    data = {name: prom.query_range(expr, start, end, step_s) for name, expr in QUERIES.items()}
+    return {"start": start, "end": end, "queries": QUERIES, "series": data}  # type: ignore[dict-item]
+
+
+def plot(collected: dict, out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    step = 2.0
-    rng_q = "30s"
+    start = collected["start"]
+    series = collected["series"]
 
-    def series(expr: str) -> list[tuple[dict[str, str], list[tuple[float, float]]]]:
-        return prom.query_range(expr, start, end, step)
-
-    def draw(ax, expr: str, label_fmt, scale: float = 1.0, **kw) -> None:
-        for labels, values in series(expr):
-            xs = [t - start for t, _ in values]
-            ys = [v * scale for _, v in values]
-            ax.plot(xs, ys, label=label_fmt(labels), **kw)
+    def draw(ax, name: str, label_fmt, scale: float = 1.0, **kw) -> None:
+        for labels, values in series[name]:
+            ax.plot([t - start for t, _ in values], [v * scale for _, v in values],
+                    label=label_fmt(labels), **kw)
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     ax = axes[0][0]
-    draw(ax, "turbowire:kv_compression_ratio:rate1m",
-         lambda lb: f"{lb.get('role')} {lb.get('preset')}")
+    draw(ax, "ratio", lambda lb: f"{lb.get('role')} {lb.get('preset')}")
     ax.set_title("Compression ratio (recording rule, 1m)")
     ax.set_ylabel("dense / wire")
     ax = axes[0][1]
-    draw(ax, "sum by (role) (turbowire:kv_dense_bytes:rate1m)",
-         lambda lb: f"dense {lb.get('role')}", scale=1 / 2**20)
-    draw(ax, "sum by (role) (turbowire:kv_wire_bytes:rate1m)",
-         lambda lb: f"wire {lb.get('role')}", scale=1 / 2**20, linestyle="--")
+    draw(ax, "dense", lambda lb: f"dense {lb.get('role')}", scale=1 / 2**20)
+    draw(ax, "wire", lambda lb: f"wire {lb.get('role')}", scale=1 / 2**20, linestyle="--")
     ax.set_title("Wire vs dense throughput (1m rate)")
     ax.set_ylabel("MiB/s")
     ax = axes[0][2]
-    for q in (0.5, 0.9):
-        draw(ax, f"histogram_quantile({q}, sum by (le) (rate("
-                 f"turbowire_kv_transfer_duration_seconds_bucket{{role='consumer'}}[{rng_q}])))",
-             lambda lb, q=q: f"transfer p{int(q * 100)}", scale=1e3)
-    draw(ax, "histogram_quantile(0.9, sum by (le) (rate("
-             f"turbowire_kv_encode_duration_seconds_bucket[{rng_q}])))",
-         lambda lb: "encode p90 (prefill)", scale=1e3, linestyle="--")
-    draw(ax, "histogram_quantile(0.9, sum by (le) (rate("
-             f"turbowire_kv_decode_duration_seconds_bucket[{rng_q}])))",
-         lambda lb: "decode p90 (decode)", scale=1e3, linestyle=":")
-    ax.set_title(f"Latency quantiles ({rng_q} window)")
-    ax.set_ylabel("ms")
+    draw(ax, "transfer_p50", lambda lb: "transfer p50 (decode side)", scale=1e3)
+    draw(ax, "transfer_p90", lambda lb: "transfer p90 (decode side)", scale=1e3)
+    draw(ax, "encode_p90", lambda lb: "encode p90 (prefill)", scale=1e3, linestyle="--")
+    draw(ax, "decode_p90", lambda lb: "decode p90 (decode)", scale=1e3, linestyle=":")
+    ax.set_yscale("log")
+    ax.set_title(f"Latency quantiles ({W} window, from histograms)")
+    ax.set_ylabel("ms (log)")
     ax = axes[1][0]
-
-    def avg(metric: str, sel: str = "") -> str:
-        return (f"sum(rate({metric}_sum{{{sel}}}[{rng_q}])) / "
-                f"sum(rate({metric}_count{{{sel}}}[{rng_q}]))")
-
-    d_xfer = avg("turbowire_kv_transfer_duration_seconds", "role='consumer'")
-    parts = [
-        ("prefill", avg("turbowire_proxy_prefill_duration_seconds")),
-        ("kv transfer", d_xfer),
-        ("first decode", f"clamp_min({avg('turbowire_proxy_decode_ttft_seconds')} - ({d_xfer}), 0)"),
-    ]
-    grid = None
+    grid: list[float] | None = None
     stack = []
-    for name, expr in parts:
-        res = series(expr)
-        if not res:
+    for name, label in (("ttft_prefill", "prefill (proxy)"), ("ttft_transfer", "kv transfer"),
+                        ("ttft_first_decode", "first decode")):
+        if not series[name]:
             continue
-        values = dict(res[0][1])
+        values = dict(series[name][0][1])
         grid = sorted(values) if grid is None else grid
-        stack.append((name, [values.get(t, 0.0) * 1e3 for t in grid]))
+        stack.append((label, [values.get(t, 0.0) * 1e3 for t in grid]))
     if grid and stack:
         ax.stackplot([t - start for t in grid], *[v for _, v in stack],
                      labels=[n for n, _ in stack], alpha=0.8)
-    ax.set_title(f"TTFT breakdown, mean ({rng_q} window)")
+    ax.set_title(f"TTFT breakdown, mean ({W} window)")
     ax.set_ylabel("ms")
     ax = axes[1][1]
-    draw(ax, "sum by (role) (turbowire_staging_in_use_bytes)",
-         lambda lb: f"in use {lb.get('role')}", scale=1 / 2**20)
-    draw(ax, "sum by (role) (turbowire_staging_capacity_bytes) > 0",
-         lambda lb: f"capacity {lb.get('role')}", scale=1 / 2**20, linestyle="--")
-    ax2 = ax.twinx()
-    for labels, values in series("sum by (role) (turbowire_leases_outstanding)"):
-        ax2.step([t - start for t, _ in values], [v for _, v in values], where="post",
-                 color="gray", alpha=0.6, label=f"leases {labels.get('role')}")
-    ax2.set_ylabel("leases")
-    ax.set_title("Staging pool")
+    draw(ax, "staging_used", lambda lb: "in use (prefill)", scale=1 / 2**20)
     ax.set_ylabel("MiB")
+    ax2 = ax.twinx()
+    for _labels, values in series["leases"]:
+        ax2.step([t - start for t, _ in values], [v for _, v in values], where="post",
+                 color="gray", alpha=0.7, label="leases outstanding")
+    ax2.set_ylabel("leases")
+    ax2.legend(fontsize=8, loc="upper right")
+    util = [v for _lb, vals in series["staging_util"] for _t, v in vals]
+    ax.set_title(f"Staging pool (peak utilization {max(util, default=0):.2%})")
     ax = axes[1][2]
-    draw(ax, f"sum by (role, direction) (rate(turbowire_kv_transfers_total[{rng_q}]))",
-         lambda lb: f"transfers {lb.get('role')} {lb.get('direction')}")
-    draw(ax, f"sum by (reason) (rate(turbowire_kv_transfer_failures_total[{rng_q}]))",
-         lambda lb: f"failures {lb.get('reason')}", linestyle="--")
-    ax.set_title(f"Transfers and failures per second ({rng_q} window)")
+    draw(ax, "transfers", lambda lb: f"transfers {lb.get('role')} {lb.get('direction')}")
+    draw(ax, "failures", lambda lb: f"failures {lb.get('reason')}", linestyle="--")
+    ax.set_title(f"Transfers and failures per second ({W} window)")
     for row in axes:
         for a in row:
             a.set_xlabel("seconds since start of load")
             a.grid(alpha=0.3)
             if a.get_legend_handles_labels()[0]:
-                a.legend(fontsize=8, loc="best")
+                a.legend(fontsize=8, loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,13 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 (real) or tiny (random, fast)")
     ap.add_argument("--preset", default="tq4")
-    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--min-words", type=int, default=60)
+    ap.add_argument("--max-words", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/metrics_dashboard.png"))
     ap.add_argument("--logs", type=Path, default=Path("/tmp/tw-metrics-run"))
+    ap.add_argument("--replot", type=Path, default=None,
+                    help="redraw --out from a saved <out>.series.json without running engines")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        collected = json.loads(args.replot.read_text())
+        plot(collected, args.out, collected.get("title", "turbowire P/D run"))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -220,16 +245,19 @@ def main(argv: list[str] | None = None) -> int:
             prom.wait_for_targets_up(60)
             start = time.time()
             ttfts = send_load(px.url, served, args.requests, args.concurrency, args.seed,
-                              args.max_tokens)
+                              args.max_tokens, (args.min_words, args.max_words))
             time.sleep(12)  # vLLM logs stats every 10 s; let Prometheus scrape the last values
             end = time.time()
             rule = {s.labels["role"]: s.value
                     for s in prom.query("turbowire:kv_compression_ratio:rate1m")}
             failures = prom.query_scalar("sum(turbowire_kv_transfer_failures_total)") or 0.0
-            plot(prom, start - 2, end, args.out,
-                 f"turbowire P/D run: {args.requests} requests, preset {args.preset}, "
-                 f"model {args.model} (Prometheus {prom.url.split(':')[-1]} scrape 1 s)")
+            collected = collect(prom, start - 2, end)
         p_log, d_log = p.log_text(), d.log_text()
+    title = (f"turbowire P/D run through Prometheus: {args.requests} requests, preset "
+             f"{args.preset}, model {args.model}, scrape 1 s")
+    collected["title"] = title
+    args.out.with_suffix(".series.json").write_text(json.dumps(collected) + "\n")
+    plot(collected, args.out, title)
     summary = {
         "requests": args.requests,
         "preset": args.preset,
