@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from turbowire.connector.launch import (
     EngineSpec,
     ProcessGroup,
@@ -33,6 +32,7 @@ from turbowire.connector.launch import (
     start_proxy,
     turbowire_kv_config,
 )
+
 from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
 from turbowire.prometheus_local import LocalPrometheus
 
@@ -49,15 +49,27 @@ def prompt(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def send_load(proxy_url: str, model: str, n: int, concurrency: int, seed: int,
-              max_tokens: int, words: tuple[int, int]) -> list[float]:
+def send_load(
+    proxy_url: str,
+    model: str,
+    n: int,
+    concurrency: int,
+    seed: int,
+    max_tokens: int,
+    words: tuple[int, int],
+) -> list[float]:
     """Streaming completions through the proxy; returns client-side TTFTs (s)."""
     rng = random.Random(seed)
     sizes = [rng.randint(*words) for _ in range(n)]
 
     def one(i: int) -> float:
-        body = {"model": model, "prompt": prompt(rng, sizes[i]), "max_tokens": max_tokens,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": model,
+            "prompt": prompt(rng, sizes[i]),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
         t0 = time.perf_counter()
         ttft = -1.0
         with httpx.stream("POST", proxy_url + "/v1/completions", json=body, timeout=300) as r:
@@ -89,16 +101,18 @@ QUERIES: dict[str, str] = {
     "dense": "sum by (role) (turbowire:kv_dense_bytes:rate1m)",
     "wire": "sum by (role) (turbowire:kv_wire_bytes:rate1m)",
     "transfer_p50": "histogram_quantile(0.5, sum by (le) (rate("
-                    f"turbowire_kv_transfer_duration_seconds_bucket{{role='consumer'}}[{W}])))",
+    f"turbowire_kv_transfer_duration_seconds_bucket{{role='consumer'}}[{W}])))",
     "transfer_p90": "histogram_quantile(0.9, sum by (le) (rate("
-                    f"turbowire_kv_transfer_duration_seconds_bucket{{role='consumer'}}[{W}])))",
+    f"turbowire_kv_transfer_duration_seconds_bucket{{role='consumer'}}[{W}])))",
     "encode_p90": "histogram_quantile(0.9, sum by (le) (rate("
-                  f"turbowire_kv_encode_duration_seconds_bucket[{W}])))",
+    f"turbowire_kv_encode_duration_seconds_bucket[{W}])))",
     "decode_p90": "histogram_quantile(0.9, sum by (le) (rate("
-                  f"turbowire_kv_decode_duration_seconds_bucket[{W}])))",
+    f"turbowire_kv_decode_duration_seconds_bucket[{W}])))",
     "ttft_prefill": _avg("turbowire_proxy_prefill_duration_seconds"),
     "ttft_transfer": _D_XFER,
-    "ttft_first_decode": f"clamp_min({_avg('turbowire_proxy_decode_ttft_seconds')} - ({_D_XFER}), 0)",
+    "ttft_first_decode": (
+        f"clamp_min({_avg('turbowire_proxy_decode_ttft_seconds')} - ({_D_XFER}), 0)"
+    ),
     "staging_used": "sum(turbowire_staging_in_use_bytes{role='producer'})",
     "staging_util": "sum(turbowire:staging_utilization:ratio{role='producer'})",
     "leases": "sum(turbowire_leases_outstanding{role='producer'})",
@@ -107,8 +121,9 @@ QUERIES: dict[str, str] = {
 }
 
 
-def collect(prom: LocalPrometheus, start: float, end: float, step_s: float = 2.0
-            ) -> dict[str, list[tuple[dict[str, str], list[tuple[float, float]]]]]:
+def collect(
+    prom: LocalPrometheus, start: float, end: float, step_s: float = 2.0
+) -> dict[str, list[tuple[dict[str, str], list[tuple[float, float]]]]]:
     """Every plotted series from the Prometheus API (kept as JSON so the plot can be redrawn)."""
     data = {name: prom.query_range(expr, start, end, step_s) for name, expr in QUERIES.items()}
     return {"start": start, "end": end, "queries": QUERIES, "series": data}  # type: ignore[dict-item]
@@ -125,8 +140,12 @@ def plot(collected: dict, out: Path, title: str) -> None:
 
     def draw(ax, name: str, label_fmt, scale: float = 1.0, **kw) -> None:
         for labels, values in series[name]:
-            ax.plot([t - start for t, _ in values], [v * scale for _, v in values],
-                    label=label_fmt(labels), **kw)
+            ax.plot(
+                [t - start for t, _ in values],
+                [v * scale for _, v in values],
+                label=label_fmt(labels),
+                **kw,
+            )
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     ax = axes[0][0]
@@ -149,16 +168,23 @@ def plot(collected: dict, out: Path, title: str) -> None:
     ax = axes[1][0]
     grid: list[float] | None = None
     stack = []
-    for name, label in (("ttft_prefill", "prefill (proxy)"), ("ttft_transfer", "kv transfer"),
-                        ("ttft_first_decode", "first decode")):
+    for name, label in (
+        ("ttft_prefill", "prefill (proxy)"),
+        ("ttft_transfer", "kv transfer"),
+        ("ttft_first_decode", "first decode"),
+    ):
         if not series[name]:
             continue
         values = dict(series[name][0][1])
         grid = sorted(values) if grid is None else grid
         stack.append((label, [values.get(t, 0.0) * 1e3 for t in grid]))
     if grid and stack:
-        ax.stackplot([t - start for t in grid], *[v for _, v in stack],
-                     labels=[n for n, _ in stack], alpha=0.8)
+        ax.stackplot(
+            [t - start for t in grid],
+            *[v for _, v in stack],
+            labels=[n for n, _ in stack],
+            alpha=0.8,
+        )
     ax.set_title(f"TTFT breakdown, mean ({W} window)")
     ax.set_ylabel("ms")
     ax = axes[1][1]
@@ -166,8 +192,14 @@ def plot(collected: dict, out: Path, title: str) -> None:
     ax.set_ylabel("MiB")
     ax2 = ax.twinx()
     for _labels, values in series["leases"]:
-        ax2.step([t - start for t, _ in values], [v for _, v in values], where="post",
-                 color="gray", alpha=0.7, label="leases outstanding")
+        ax2.step(
+            [t - start for t, _ in values],
+            [v for _, v in values],
+            where="post",
+            color="gray",
+            alpha=0.7,
+            label="leases outstanding",
+        )
     ax2.set_ylabel("leases")
     ax2.legend(fontsize=8, loc="upper right")
     util = [v for _lb, vals in series["staging_util"] for _t, v in vals]
@@ -201,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/metrics_dashboard.png"))
     ap.add_argument("--logs", type=Path, default=Path("/tmp/tw-metrics-run"))
-    ap.add_argument("--replot", type=Path, default=None,
-                    help="redraw --out from a saved <out>.series.json without running engines")
+    ap.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="redraw --out from a saved <out>.series.json without running engines",
+    )
     args = ap.parse_args(argv)
     if args.replot is not None:
         collected = json.loads(args.replot.read_text())
@@ -222,14 +258,24 @@ def main(argv: list[str] | None = None) -> int:
         model_path = ensure_smollm2()
     served = "m"
     p_spec = EngineSpec(
-        "prefill", model_path, free_port(), cpu=0, served_model_name=served,
+        "prefill",
+        model_path,
+        free_port(),
+        cpu=0,
+        served_model_name=served,
         kv_transfer_config=turbowire_kv_config(
-            "kv_producer", preset=args.preset, side_channel_port=free_port()),
+            "kv_producer", preset=args.preset, side_channel_port=free_port()
+        ),
     )
     d_spec = EngineSpec(
-        "decode", model_path, free_port(), cpu=1, served_model_name=served,
+        "decode",
+        model_path,
+        free_port(),
+        cpu=1,
+        served_model_name=served,
         kv_transfer_config=turbowire_kv_config(
-            "kv_consumer", preset=args.preset, side_channel_port=free_port()),
+            "kv_consumer", preset=args.preset, side_channel_port=free_port()
+        ),
     )
     with engine_lock(), ProcessGroup() as group:
         p = group.add(start_engine(p_spec, args.logs))
@@ -239,22 +285,35 @@ def main(argv: list[str] | None = None) -> int:
         proxy_port = free_port()
         px = group.add(start_proxy([p.url], [d.url], proxy_port, args.logs))
         px.wait_healthy(60)
-        targets = {"vllm": [p.url[len("http://"):], d.url[len("http://"):]],
-                   "proxy": [px.url[len("http://"):]]}
+        targets = {
+            "vllm": [p.url[len("http://") :], d.url[len("http://") :]],
+            "proxy": [px.url[len("http://") :]],
+        }
         with LocalPrometheus(targets, scrape_interval_s=1.0, evaluation_interval_s=1.0) as prom:
             prom.wait_for_targets_up(60)
             start = time.time()
-            ttfts = send_load(px.url, served, args.requests, args.concurrency, args.seed,
-                              args.max_tokens, (args.min_words, args.max_words))
+            ttfts = send_load(
+                px.url,
+                served,
+                args.requests,
+                args.concurrency,
+                args.seed,
+                args.max_tokens,
+                (args.min_words, args.max_words),
+            )
             time.sleep(12)  # vLLM logs stats every 10 s; let Prometheus scrape the last values
             end = time.time()
-            rule = {s.labels["role"]: s.value
-                    for s in prom.query("turbowire:kv_compression_ratio:rate1m")}
+            rule = {
+                s.labels["role"]: s.value
+                for s in prom.query("turbowire:kv_compression_ratio:rate1m")
+            }
             failures = prom.query_scalar("sum(turbowire_kv_transfer_failures_total)") or 0.0
             collected = collect(prom, start - 2, end)
         p_log, d_log = p.log_text(), d.log_text()
-    title = (f"turbowire P/D run through Prometheus: {args.requests} requests, preset "
-             f"{args.preset}, model {args.model}, scrape 1 s")
+    title = (
+        f"turbowire P/D run through Prometheus: {args.requests} requests, preset "
+        f"{args.preset}, model {args.model}, scrape 1 s"
+    )
     collected["title"] = title
     args.out.with_suffix(".series.json").write_text(json.dumps(collected) + "\n")
     plot(collected, args.out, title)

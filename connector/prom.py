@@ -5,7 +5,9 @@ The connector facade (``turbowire.connector``) delegates its two vLLM classmetho
     from turbowire.connector import prom
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return prom.build_kv_connector_stats(data)
 
     @classmethod
@@ -34,13 +36,6 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    PromMetric,
-    PromMetricT,
-)
-
 from turbowire.connector.config import DEFAULT_PRESET
 from turbowire.connector.stats import (
     DIRECTIONS,
@@ -50,6 +45,13 @@ from turbowire.connector.stats import (
     iter_histograms,
     sanitize_data,
 )
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    PromMetric,
+    PromMetricT,
+)
+
 from turbowire.metrics_catalog import (
     BY_STATS_NAME,
     DURATION_BUCKETS,

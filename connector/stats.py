@@ -133,7 +133,9 @@ def _check_reason(reason: object) -> str:
     if not isinstance(reason, str) or not _REASON_RE.match(reason):
         logger.warning(
             "turbowire stats: reason %r is not a snake_case word (e.g. %s); counted as %r",
-            str(reason)[:80], ", ".join(KNOWN_REASONS[:4]), OTHER_REASON,
+            str(reason)[:80],
+            ", ".join(KNOWN_REASONS[:4]),
+            OTHER_REASON,
         )
         return OTHER_REASON
     return reason

@@ -151,8 +151,7 @@ BY_STATS_NAME: dict[str, MetricSpec] = {m.stats_name: m for m in ENGINE_METRICS}
 
 #: Labels any turbowire metric may carry (bounded value sets; never ids or free text).
 ALLOWED_LABELS = frozenset(
-    ENGINE_LABELS
-    + (ROLE_LABEL, "direction", "transport", "preset", "reason", "result", "outcome")
+    ENGINE_LABELS + (ROLE_LABEL, "direction", "transport", "preset", "reason", "result", "outcome")
 )
 
 _NAME_RE = re.compile(r"^turbowire_[a-z][a-z0-9_]*[a-z0-9]$")
@@ -205,4 +204,3 @@ def markdown_table(specs: tuple[MetricSpec, ...]) -> str:
         labels = ", ".join(f"`{lbl}`" for lbl in m.all_labels) or "-"
         lines.append(f"| `{m.name}` | {m.type} | {labels} | {m.help} |")
     return "\n".join(lines)
-

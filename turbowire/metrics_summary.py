@@ -44,7 +44,9 @@ class Histo:
                     return prev_bound
                 if count == prev_count:
                     return bound
-                return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+                return prev_bound + (bound - prev_bound) * (rank - prev_count) / (
+                    count - prev_count
+                )
             prev_bound, prev_count = bound, count
         return prev_bound
 
@@ -121,8 +123,9 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def summarize(now: Snapshot, before: Snapshot | None = None, interval_s: float | None = None
-              ) -> list[tuple[str, str]]:
+def summarize(
+    now: Snapshot, before: Snapshot | None = None, interval_s: float | None = None
+) -> list[tuple[str, str]]:
     """Rows of (what, value) for display; rates when a previous snapshot is given."""
     rows: list[tuple[str, str]] = []
     if now.is_engine:
@@ -137,11 +140,19 @@ def summarize(now: Snapshot, before: Snapshot | None = None, interval_s: float |
             rows.append((f"dense / wire bytes {word}", f"{fmt_bytes(dense)} / {fmt_bytes(wire)}"))
             rows.append((f"compression ratio {word}", fmt_ratio(_ratio(dense, wire))))
             if before is not None and interval_s:
-                d_dense = dense - before.total("turbowire_kv_dense_bytes_total", direction=direction)
+                d_dense = dense - before.total(
+                    "turbowire_kv_dense_bytes_total", direction=direction
+                )
                 d_wire = wire - before.total("turbowire_kv_wire_bytes_total", direction=direction)
-                rows.append((f"dense / wire throughput {word}",
-                             f"{fmt_bytes(d_dense / interval_s)}/s / {fmt_bytes(d_wire / interval_s)}/s"))
-                rows.append((f"compression ratio {word} (interval)", fmt_ratio(_ratio(d_dense, d_wire))))
+                rows.append(
+                    (
+                        f"dense / wire throughput {word}",
+                        f"{fmt_bytes(d_dense / interval_s)}/s / {fmt_bytes(d_wire / interval_s)}/s",
+                    )
+                )
+                rows.append(
+                    (f"compression ratio {word} (interval)", fmt_ratio(_ratio(d_dense, d_wire)))
+                )
         for label, metric in (
             ("transfer", "turbowire_kv_transfer_duration_seconds"),
             ("encode", "turbowire_kv_encode_duration_seconds"),
@@ -150,9 +161,17 @@ def summarize(now: Snapshot, before: Snapshot | None = None, interval_s: float |
         ):
             h = now.histogram(metric)
             if h.count:
-                rows.append((f"{label} time mean / p50 / p90",
-                             " / ".join(fmt_seconds(x) for x in (h.mean, h.quantile(0.5), h.quantile(0.9)))))
-        failures = {k: v for k, v in now.by("turbowire_kv_transfer_failures_total", "reason").items() if v}
+                rows.append(
+                    (
+                        f"{label} time mean / p50 / p90",
+                        " / ".join(
+                            fmt_seconds(x) for x in (h.mean, h.quantile(0.5), h.quantile(0.9))
+                        ),
+                    )
+                )
+        failures = {
+            k: v for k, v in now.by("turbowire_kv_transfer_failures_total", "reason").items() if v
+        }
         rows.append(("failures", fmt_counts(failures)))
         fallbacks = {k: v for k, v in now.by("turbowire_kv_fallbacks_total", "reason").items() if v}
         rows.append(("fallbacks", fmt_counts(fallbacks)))
@@ -160,26 +179,49 @@ def summarize(now: Snapshot, before: Snapshot | None = None, interval_s: float |
             used = now.total("turbowire_staging_in_use_bytes")
             cap = now.total("turbowire_staging_capacity_bytes")
             util = _ratio(used, cap)
-            rows.append(("staging in use / capacity",
-                         f"{fmt_bytes(used)} / {fmt_bytes(cap)}"
-                         + (f" ({util:.1%})" if util is not None else "")))
+            rows.append(
+                (
+                    "staging in use / capacity",
+                    f"{fmt_bytes(used)} / {fmt_bytes(cap)}"
+                    + (f" ({util:.1%})" if util is not None else ""),
+                )
+            )
         if "turbowire_leases_outstanding" in now.samples:
             rows.append(("leases outstanding", f"{now.total('turbowire_leases_outstanding'):.0f}"))
         lookups = now.by("turbowire_store_lookups_total", "result")
         if sum(lookups.values()):
             hits = lookups.get("hit", 0.0)
-            rows.append(("store hits / lookups",
-                         f"{hits:.0f} / {sum(lookups.values()):.0f} ({hits / sum(lookups.values()):.1%})"))
+            rows.append(
+                (
+                    "store hits / lookups",
+                    f"{hits:.0f} / {sum(lookups.values()):.0f} "
+                    f"({hits / sum(lookups.values()):.1%})",
+                )
+            )
         stored = now.total("turbowire_store_stored_bytes_total")
         if stored:
             rows.append(("store bytes written", fmt_bytes(stored)))
         spec = now.by("turbowire_spec_positions_total", "outcome")
         if sum(spec.values()):
-            rows.append(("spec positions accepted / discarded",
-                         f"{spec.get('accepted', 0):.0f} / {spec.get('discarded', 0):.0f}"))
+            rows.append(
+                (
+                    "spec positions accepted / discarded",
+                    f"{spec.get('accepted', 0):.0f} / {spec.get('discarded', 0):.0f}",
+                )
+            )
     if now.is_proxy:
-        rows.append(("proxy requests", fmt_counts(
-            {k: v for k, v in now.by("turbowire_proxy_requests_total", "outcome").items() if v})))
+        rows.append(
+            (
+                "proxy requests",
+                fmt_counts(
+                    {
+                        k: v
+                        for k, v in now.by("turbowire_proxy_requests_total", "outcome").items()
+                        if v
+                    }
+                ),
+            )
+        )
         rows.append(("proxy in flight", f"{now.total('turbowire_proxy_in_flight_requests'):.0f}"))
         for label, metric in (
             ("TTFT", "turbowire_proxy_ttft_seconds"),
@@ -191,8 +233,12 @@ def summarize(now: Snapshot, before: Snapshot | None = None, interval_s: float |
         ):
             h = now.histogram(metric)
             if h.count:
-                rows.append((f"{label} mean / p90",
-                             f"{fmt_seconds(h.mean)} / {fmt_seconds(h.quantile(0.9))}"))
+                rows.append(
+                    (
+                        f"{label} mean / p90",
+                        f"{fmt_seconds(h.mean)} / {fmt_seconds(h.quantile(0.9))}",
+                    )
+                )
     return rows
 
 
@@ -220,7 +266,9 @@ def fmt_counts(counts: dict[str, float]) -> str:
     return ", ".join(f"{k or '-'}={v:.0f}" for k, v in sorted(counts.items()))
 
 
-def merge_rows(per_source: Iterable[tuple[str, list[tuple[str, str]]]]) -> list[tuple[str, str, str]]:
+def merge_rows(
+    per_source: Iterable[tuple[str, list[tuple[str, str]]]],
+) -> list[tuple[str, str, str]]:
     """(source, what, value) rows for one table."""
     return [(src, what, value) for src, rows in per_source for what, value in rows]
 

@@ -156,7 +156,9 @@ class LocalPrometheus:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        raise PrometheusError(f"prometheus not ready after {self.ready_timeout_s}s: {self.log_tail()}")
+        raise PrometheusError(
+            f"prometheus not ready after {self.ready_timeout_s}s: {self.log_tail()}"
+        )
 
     def log_tail(self, nbytes: int = 4000) -> str:
         if self._tmp is None:
@@ -201,7 +203,9 @@ class LocalPrometheus:
         except ValueError as exc:
             raise PrometheusError(f"{path}: HTTP {resp.status_code}, not JSON") from exc
         if body.get("status") != "success":
-            raise PrometheusError(f"{path} {dict(params)}: {body.get('errorType')}: {body.get('error')}")
+            raise PrometheusError(
+                f"{path} {dict(params)}: {body.get('errorType')}: {body.get('error')}"
+            )
         return body["data"]
 
     def query(self, expr: str, at: float | None = None) -> list[Sample]:

@@ -2,7 +2,8 @@
 
 Why: a dashboard query that names a metric nobody exports shows "No data" forever and nobody
 notices; these helpers let tests parse every expression (``promql-parser``, the Prometheus
-grammar) and compare the names it selects with :func:`turbowire.metrics_catalog.exported_series_names`.
+grammar) and compare the names it selects with
+:func:`turbowire.metrics_catalog.exported_series_names`.
 """
 
 from __future__ import annotations

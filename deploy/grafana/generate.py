@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import common as common_b
-from grafana_foundation_sdk.builders.dashboard import Dashboard, DatasourceVariable, QueryVariable, Row
+from grafana_foundation_sdk.builders.dashboard import (
+    Dashboard,
+    DatasourceVariable,
+    QueryVariable,
+    Row,
+)
 from grafana_foundation_sdk.builders.prometheus import Dataquery as PromQuery
 from grafana_foundation_sdk.builders.stat import Panel as Stat
 from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
@@ -76,223 +81,322 @@ def _avg(metric: str, sel: str) -> str:
 
 def sections() -> list[Section]:
     """The dashboard's content: one place to read what is shown."""
-    compression = Section("Compression", [
-        PanelSpec(
-            "Compression ratio (now)",
-            "Dense KV bytes / wire bytes over the last minute, all selected engines "
-            "(sum the rates, then divide).",
-            "x",
-            (Query(f"sum(turbowire:kv_dense_bytes:rate1m{{{SELP}}}) / "
-                   f"sum(turbowire:kv_wire_bytes:rate1m{{{SELP}}})", "ratio"),),
-            kind="stat", width=6,
-        ),
-        PanelSpec(
-            "Wire bytes saved (now)",
-            "Fraction of dense KV bytes that did not cross the wire.",
-            "percentunit",
-            (Query(f"1 - sum(turbowire:kv_wire_bytes:rate1m{{{SELP}}}) / "
-                   f"sum(turbowire:kv_dense_bytes:rate1m{{{SELP}}})", "saved"),),
-            kind="stat", width=6,
-        ),
-        PanelSpec(
-            "Transfers / s",
-            "Completed KV transfers per second.",
-            "reqps",
-            (Query(f"sum(rate(turbowire_kv_transfers_total{{{SELP}}}[{RI}]))", "transfers"),),
-            kind="stat", width=6,
-        ),
-        PanelSpec(
-            "Failed transfers (5m ratio)",
-            "Failed / (failed + completed) transfers over 5 minutes.",
-            "percentunit",
-            (Query(f"max(turbowire:kv_transfer_failure_ratio:rate5m{{{SEL}}})", "failure ratio"),),
-            kind="stat", width=6,
-        ),
-        PanelSpec(
-            "Compression ratio by engine, role and preset",
-            "Recording rule turbowire:kv_compression_ratio:rate1m (deploy/prometheus/rules.yaml).",
-            "x",
-            (Query(f"turbowire:kv_compression_ratio:rate1m{{{SELP}}}",
-                   "{{instance}} {{role}} {{preset}}"),),
-        ),
-        PanelSpec(
-            "Wire vs dense throughput",
-            "Bytes per second moved by KV transfers: dense (what an uncompressed transfer would "
-            "move) against wire (what crossed the network).",
-            "Bps",
-            (
-                Query(f"sum by (role, direction) (turbowire:kv_dense_bytes:rate1m{{{SELP}}})",
-                      "dense {{role}} {{direction}}"),
-                Query(f"sum by (role, direction) (turbowire:kv_wire_bytes:rate1m{{{SELP}}})",
-                      "wire {{role}} {{direction}}"),
+    compression = Section(
+        "Compression",
+        [
+            PanelSpec(
+                "Compression ratio (now)",
+                "Dense KV bytes / wire bytes over the last minute, all selected engines "
+                "(sum the rates, then divide).",
+                "x",
+                (
+                    Query(
+                        f"sum(turbowire:kv_dense_bytes:rate1m{{{SELP}}}) / "
+                        f"sum(turbowire:kv_wire_bytes:rate1m{{{SELP}}})",
+                        "ratio",
+                    ),
+                ),
+                kind="stat",
+                width=6,
             ),
-        ),
-    ])
-    latency = Section("Latency", [
-        PanelSpec(
-            "KV transfer duration",
-            "Quantiles of one transfer's wall time (post to completion).",
-            "s",
-            _quantiles("turbowire_kv_transfer_duration_seconds", "role"),
-        ),
-        PanelSpec(
-            "Encode / decode duration (p90)",
-            "Encode on the prefill side, decode + scatter on the decode side, per call.",
-            "s",
-            (
-                Query("histogram_quantile(0.9, sum by (le, preset) (rate("
-                      f"turbowire_kv_encode_duration_seconds_bucket{{{SELP}}}[{RI}])))",
-                      "encode p90 {{preset}}"),
-                Query("histogram_quantile(0.9, sum by (le, preset) (rate("
-                      f"turbowire_kv_decode_duration_seconds_bucket{{{SELP}}}[{RI}])))",
-                      "decode p90 {{preset}}"),
-                Query("histogram_quantile(0.9, sum by (le, transport) (rate("
-                      f"turbowire_kv_handshake_duration_seconds_bucket{{{SEL}}}[{RI}])))",
-                      "handshake p90 {{transport}}"),
+            PanelSpec(
+                "Wire bytes saved (now)",
+                "Fraction of dense KV bytes that did not cross the wire.",
+                "percentunit",
+                (
+                    Query(
+                        f"1 - sum(turbowire:kv_wire_bytes:rate1m{{{SELP}}}) / "
+                        f"sum(turbowire:kv_dense_bytes:rate1m{{{SELP}}})",
+                        "saved",
+                    ),
+                ),
+                kind="stat",
+                width=6,
             ),
-        ),
-    ])
-    reliability = Section("Failures and fallbacks", [
-        PanelSpec(
-            "Transfer failures by reason",
-            "Failed transfers per second by reason (lease_expired, timeout, checksum, ...).",
-            "reqps",
-            (Query(f"sum by (reason, role) (rate(turbowire_kv_transfer_failures_total{{{SEL}}}"
-                   f"[{RI}]))", "{{reason}} ({{role}})"),),
-            stacked=True,
-        ),
-        PanelSpec(
-            "Fallbacks by reason",
-            "Requests served without the compressed path per second.",
-            "reqps",
-            (Query(f"sum by (reason, role) (rate(turbowire_kv_fallbacks_total{{{SEL}}}[{RI}]))",
-                   "{{reason}} ({{role}})"),),
-            stacked=True,
-        ),
-    ])
-    reliability.panels.append(PanelSpec(
-        "Dropped stats observations",
-        "Histogram observations the connector dropped because one stats interval held too many "
-        "(should stay 0).",
-        "short",
-        (Query(f"sum(increase(turbowire_stats_dropped_observations_total{{{SEL}}}[1h]))",
-               "dropped (1h)"),),
-        kind="stat", width=24, height=4,
-    ))
-    staging = Section("Staging pool", [
-        PanelSpec(
-            "Staging pool usage",
-            "Compressed staging bytes leased vs pool size (prefill side).",
-            "bytes",
-            (
-                Query(f"sum by (instance) (turbowire_staging_in_use_bytes{{{SEL}}})",
-                      "in use {{instance}}"),
-                Query(f"sum by (instance) (turbowire_staging_capacity_bytes{{{SEL}}})",
-                      "capacity {{instance}}"),
+            PanelSpec(
+                "Transfers / s",
+                "Completed KV transfers per second.",
+                "reqps",
+                (Query(f"sum(rate(turbowire_kv_transfers_total{{{SELP}}}[{RI}]))", "transfers"),),
+                kind="stat",
+                width=6,
             ),
-        ),
-        PanelSpec(
-            "Staging utilization and leases",
-            "Utilization (left) and leases not yet released by decode engines.",
-            "percentunit",
-            (
-                Query(f"turbowire:staging_utilization:ratio{{{SEL}}}", "utilization {{instance}}"),
-                Query(f"sum by (instance) (turbowire_leases_outstanding{{{SEL}}})",
-                      "leases {{instance}}"),
+            PanelSpec(
+                "Failed transfers (5m ratio)",
+                "Failed / (failed + completed) transfers over 5 minutes.",
+                "percentunit",
+                (
+                    Query(
+                        f"max(turbowire:kv_transfer_failure_ratio:rate5m{{{SEL}}})", "failure ratio"
+                    ),
+                ),
+                kind="stat",
+                width=6,
             ),
-        ),
-    ])
-    store = Section("Store and speculative decoding", [
-        PanelSpec(
-            "Store hit rate",
-            "Share of store (LMCache) chunk lookups that hit, over 5 minutes.",
-            "percentunit",
-            (Query(f"turbowire:store_hit_ratio:rate5m{{{SEL}}}", "{{instance}}"),),
-        ),
-        PanelSpec(
-            "Store traffic",
-            "Encoded bytes written to and read from the store.",
-            "Bps",
-            (
-                Query(f"sum(rate(turbowire_store_stored_bytes_total{{{SEL}}}[{RI}]))", "stored"),
-                Query(f"sum by (result) (rate(turbowire_store_lookup_bytes_total{{{SEL}}}[{RI}]))",
-                      "lookup {{result}}"),
+            PanelSpec(
+                "Compression ratio by engine, role and preset",
+                "Recording rule turbowire:kv_compression_ratio:rate1m "
+                "(deploy/prometheus/rules.yaml).",
+                "x",
+                (
+                    Query(
+                        f"turbowire:kv_compression_ratio:rate1m{{{SELP}}}",
+                        "{{instance}} {{role}} {{preset}}",
+                    ),
+                ),
             ),
-        ),
+            PanelSpec(
+                "Wire vs dense throughput",
+                "Bytes per second moved by KV transfers: dense (what an uncompressed transfer "
+                "would "
+                "move) against wire (what crossed the network).",
+                "Bps",
+                (
+                    Query(
+                        f"sum by (role, direction) (turbowire:kv_dense_bytes:rate1m{{{SELP}}})",
+                        "dense {{role}} {{direction}}",
+                    ),
+                    Query(
+                        f"sum by (role, direction) (turbowire:kv_wire_bytes:rate1m{{{SELP}}})",
+                        "wire {{role}} {{direction}}",
+                    ),
+                ),
+            ),
+        ],
+    )
+    latency = Section(
+        "Latency",
+        [
+            PanelSpec(
+                "KV transfer duration",
+                "Quantiles of one transfer's wall time (post to completion).",
+                "s",
+                _quantiles("turbowire_kv_transfer_duration_seconds", "role"),
+            ),
+            PanelSpec(
+                "Encode / decode duration (p90)",
+                "Encode on the prefill side, decode + scatter on the decode side, per call.",
+                "s",
+                (
+                    Query(
+                        "histogram_quantile(0.9, sum by (le, preset) (rate("
+                        f"turbowire_kv_encode_duration_seconds_bucket{{{SELP}}}[{RI}])))",
+                        "encode p90 {{preset}}",
+                    ),
+                    Query(
+                        "histogram_quantile(0.9, sum by (le, preset) (rate("
+                        f"turbowire_kv_decode_duration_seconds_bucket{{{SELP}}}[{RI}])))",
+                        "decode p90 {{preset}}",
+                    ),
+                    Query(
+                        "histogram_quantile(0.9, sum by (le, transport) (rate("
+                        f"turbowire_kv_handshake_duration_seconds_bucket{{{SEL}}}[{RI}])))",
+                        "handshake p90 {{transport}}",
+                    ),
+                ),
+            ),
+        ],
+    )
+    reliability = Section(
+        "Failures and fallbacks",
+        [
+            PanelSpec(
+                "Transfer failures by reason",
+                "Failed transfers per second by reason (lease_expired, timeout, checksum, ...).",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (reason, role) (rate(turbowire_kv_transfer_failures_total{{{SEL}}}"
+                        f"[{RI}]))",
+                        "{{reason}} ({{role}})",
+                    ),
+                ),
+                stacked=True,
+            ),
+            PanelSpec(
+                "Fallbacks by reason",
+                "Requests served without the compressed path per second.",
+                "reqps",
+                (
+                    Query(
+                        "sum by (reason, role) "
+                        f"(rate(turbowire_kv_fallbacks_total{{{SEL}}}[{RI}]))",
+                        "{{reason}} ({{role}})",
+                    ),
+                ),
+                stacked=True,
+            ),
+        ],
+    )
+    reliability.panels.append(
         PanelSpec(
-            "Speculative positions",
-            "Decode-side speculative KV positions per second: accepted (kept) vs discarded.",
-            "ops",
-            (Query(f"sum by (outcome) (rate(turbowire_spec_positions_total{{{SEL}}}[{RI}]))",
-                   "{{outcome}}"),),
-            stacked=True,
-        ),
-    ])
+            "Dropped stats observations",
+            "Histogram observations the connector dropped because one stats interval held too many "
+            "(should stay 0).",
+            "short",
+            (
+                Query(
+                    f"sum(increase(turbowire_stats_dropped_observations_total{{{SEL}}}[1h]))",
+                    "dropped (1h)",
+                ),
+            ),
+            kind="stat",
+            width=24,
+            height=4,
+        )
+    )
+    staging = Section(
+        "Staging pool",
+        [
+            PanelSpec(
+                "Staging pool usage",
+                "Compressed staging bytes leased vs pool size (prefill side).",
+                "bytes",
+                (
+                    Query(
+                        f"sum by (instance) (turbowire_staging_in_use_bytes{{{SEL}}})",
+                        "in use {{instance}}",
+                    ),
+                    Query(
+                        f"sum by (instance) (turbowire_staging_capacity_bytes{{{SEL}}})",
+                        "capacity {{instance}}",
+                    ),
+                ),
+            ),
+            PanelSpec(
+                "Staging utilization and leases",
+                "Utilization (left) and leases not yet released by decode engines.",
+                "percentunit",
+                (
+                    Query(
+                        f"turbowire:staging_utilization:ratio{{{SEL}}}", "utilization {{instance}}"
+                    ),
+                    Query(
+                        f"sum by (instance) (turbowire_leases_outstanding{{{SEL}}})",
+                        "leases {{instance}}",
+                    ),
+                ),
+            ),
+        ],
+    )
+    store = Section(
+        "Store and speculative decoding",
+        [
+            PanelSpec(
+                "Store hit rate",
+                "Share of store (LMCache) chunk lookups that hit, over 5 minutes.",
+                "percentunit",
+                (Query(f"turbowire:store_hit_ratio:rate5m{{{SEL}}}", "{{instance}}"),),
+            ),
+            PanelSpec(
+                "Store traffic",
+                "Encoded bytes written to and read from the store.",
+                "Bps",
+                (
+                    Query(
+                        f"sum(rate(turbowire_store_stored_bytes_total{{{SEL}}}[{RI}]))", "stored"
+                    ),
+                    Query(
+                        "sum by (result) "
+                        f"(rate(turbowire_store_lookup_bytes_total{{{SEL}}}[{RI}]))",
+                        "lookup {{result}}",
+                    ),
+                ),
+            ),
+            PanelSpec(
+                "Speculative positions",
+                "Decode-side speculative KV positions per second: accepted (kept) vs discarded.",
+                "ops",
+                (
+                    Query(
+                        f"sum by (outcome) (rate(turbowire_spec_positions_total{{{SEL}}}[{RI}]))",
+                        "{{outcome}}",
+                    ),
+                ),
+                stacked=True,
+            ),
+        ],
+    )
     d_transfer = _avg("turbowire_kv_transfer_duration_seconds", f'{SEL}, role=~"consumer|both"')
     d_ttft = _avg("turbowire_proxy_decode_ttft_seconds", "")
-    requests = Section("Requests (proxy)", [
-        PanelSpec(
-            "TTFT breakdown (mean)",
-            "Mean time to first token through the P/D proxy, split into prefill (proxy), KV "
-            "transfer (decode engine's transfer histogram) and the first decode step "
-            "(decode-side TTFT minus the transfer).",
-            "s",
-            (
-                Query(_avg("turbowire_proxy_prefill_duration_seconds", ""), "prefill"),
-                Query(d_transfer, "kv transfer"),
-                Query(f"clamp_min({d_ttft} - ({d_transfer}), 0)", "first decode"),
+    requests = Section(
+        "Requests (proxy)",
+        [
+            PanelSpec(
+                "TTFT breakdown (mean)",
+                "Mean time to first token through the P/D proxy, split into prefill (proxy), KV "
+                "transfer (decode engine's transfer histogram) and the first decode step "
+                "(decode-side TTFT minus the transfer).",
+                "s",
+                (
+                    Query(_avg("turbowire_proxy_prefill_duration_seconds", ""), "prefill"),
+                    Query(d_transfer, "kv transfer"),
+                    Query(f"clamp_min({d_ttft} - ({d_transfer}), 0)", "first decode"),
+                ),
+                stacked=True,
             ),
-            stacked=True,
-        ),
-        PanelSpec(
-            "TTFT split per request (when the decode engine reports its transfer time)",
-            "Mean prefill, KV transfer and first decode step measured per request by the proxy; "
-            "empty when the decode engine does not return its transfer time in "
-            "kv_transfer_params.",
-            "s",
-            (
-                Query(_avg("turbowire_proxy_prefill_duration_seconds", ""), "prefill"),
-                Query(_avg("turbowire_proxy_kv_transfer_duration_seconds", ""), "kv transfer"),
-                Query(_avg("turbowire_proxy_first_decode_duration_seconds", ""), "first decode"),
+            PanelSpec(
+                "TTFT split per request (when the decode engine reports its transfer time)",
+                "Mean prefill, KV transfer and first decode step measured per request by the "
+                "proxy; "
+                "empty when the decode engine does not return its transfer time in "
+                "kv_transfer_params.",
+                "s",
+                (
+                    Query(_avg("turbowire_proxy_prefill_duration_seconds", ""), "prefill"),
+                    Query(_avg("turbowire_proxy_kv_transfer_duration_seconds", ""), "kv transfer"),
+                    Query(
+                        _avg("turbowire_proxy_first_decode_duration_seconds", ""), "first decode"
+                    ),
+                ),
+                stacked=True,
             ),
-            stacked=True,
-        ),
-        PanelSpec(
-            "TTFT quantiles (proxy)",
-            "Client-visible time to first token.",
-            "s",
-            tuple(
-                Query(f"histogram_quantile({q}, sum by (le) (rate("
-                      f"turbowire_proxy_ttft_seconds_bucket[{RI}])))", f"p{int(q * 100)}")
-                for q in (0.5, 0.9, 0.99)
+            PanelSpec(
+                "TTFT quantiles (proxy)",
+                "Client-visible time to first token.",
+                "s",
+                tuple(
+                    Query(
+                        f"histogram_quantile({q}, sum by (le) (rate("
+                        f"turbowire_proxy_ttft_seconds_bucket[{RI}])))",
+                        f"p{int(q * 100)}",
+                    )
+                    for q in (0.5, 0.9, 0.99)
+                ),
             ),
-        ),
-        PanelSpec(
-            "Request duration quantiles (proxy)",
-            "End-to-end request time through the proxy.",
-            "s",
-            tuple(
-                Query(f"histogram_quantile({q}, sum by (le) (rate("
-                      f"turbowire_proxy_request_duration_seconds_bucket[{RI}])))",
-                      f"p{int(q * 100)}")
-                for q in (0.5, 0.9, 0.99)
+            PanelSpec(
+                "Request duration quantiles (proxy)",
+                "End-to-end request time through the proxy.",
+                "s",
+                tuple(
+                    Query(
+                        f"histogram_quantile({q}, sum by (le) (rate("
+                        f"turbowire_proxy_request_duration_seconds_bucket[{RI}])))",
+                        f"p{int(q * 100)}",
+                    )
+                    for q in (0.5, 0.9, 0.99)
+                ),
             ),
-        ),
-        PanelSpec(
-            "Proxy requests by outcome",
-            "Requests per second through the proxy.",
-            "reqps",
-            (Query(f"sum by (outcome) (rate(turbowire_proxy_requests_total[{RI}]))",
-                   "{{outcome}}"),),
-            stacked=True,
-        ),
-        PanelSpec(
-            "Requests in flight (proxy)",
-            "Requests currently inside the proxy.",
-            "short",
-            (Query("sum(turbowire_proxy_in_flight_requests)", "in flight"),),
-        ),
-    ])
+            PanelSpec(
+                "Proxy requests by outcome",
+                "Requests per second through the proxy.",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (outcome) (rate(turbowire_proxy_requests_total[{RI}]))",
+                        "{{outcome}}",
+                    ),
+                ),
+                stacked=True,
+            ),
+            PanelSpec(
+                "Requests in flight (proxy)",
+                "Requests currently inside the proxy.",
+                "short",
+                (Query("sum(turbowire_proxy_in_flight_requests)", "in flight"),),
+            ),
+        ],
+    )
     return [compression, latency, reliability, staging, store, requests]
 
 
@@ -326,7 +430,11 @@ def _panel(spec: PanelSpec) -> Stat | Timeseries:
         panel = panel.min(0)
     for i, q in enumerate(spec.queries):
         panel = panel.with_target(
-            PromQuery().expr(q.expr).legend_format(q.legend).ref_id(chr(ord("A") + i)).datasource(DS)
+            PromQuery()
+            .expr(q.expr)
+            .legend_format(q.legend)
+            .ref_id(chr(ord("A") + i))
+            .datasource(DS)
         )
     return panel
 
@@ -345,9 +453,7 @@ def build() -> dict[str, object]:
         .refresh("30s")
         .time("now-1h", "now")
         .timezone("browser")
-        .with_variable(
-            DatasourceVariable("datasource").label("Data source").type("prometheus")
-        )
+        .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(
             QueryVariable("instance")
             .label("Engine")

@@ -30,8 +30,13 @@ def _hostport(url: str) -> str:
 
 
 def stream_completion(proxy_url: str, model: str, prompt: Any, max_tokens: int) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     text = []
     with httpx.stream("POST", proxy_url + "/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
@@ -41,9 +46,13 @@ def stream_completion(proxy_url: str, model: str, prompt: Any, max_tokens: int) 
     return "\n".join(text)
 
 
-def check_prometheus_against_pd(stack: Any, model: str, prompts: Sequence[Any],
-                                max_tokens: int = 4,
-                                log: Callable[[str], None] = print) -> dict[str, Any]:
+def check_prometheus_against_pd(
+    stack: Any,
+    model: str,
+    prompts: Sequence[Any],
+    max_tokens: int = 4,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Run the check; returns the numbers (asserts inside)."""
     p, d, x = stack.prefill, stack.decode, stack.proxy
     p_off, d_off = len(p.log_text()), len(d.log_text())
@@ -61,23 +70,31 @@ def check_prometheus_against_pd(stack: Any, model: str, prompts: Sequence[Any],
         panels = {
             "dense/wire throughput": "sum(turbowire:kv_wire_bytes:rate1m) > 0",
             "transfer p90": "histogram_quantile(0.9, sum by (le) "
-                            "(rate(turbowire_kv_transfer_duration_seconds_bucket[1m])))",
+            "(rate(turbowire_kv_transfer_duration_seconds_bucket[1m])))",
             "encode p90": "histogram_quantile(0.9, sum by (le) "
-                          "(rate(turbowire_kv_encode_duration_seconds_bucket[1m])))",
+            "(rate(turbowire_kv_encode_duration_seconds_bucket[1m])))",
             "TTFT prefill mean": "sum(rate(turbowire_proxy_prefill_duration_seconds_sum[1m])) / "
-                                 "sum(rate(turbowire_proxy_prefill_duration_seconds_count[1m]))",
+            "sum(rate(turbowire_proxy_prefill_duration_seconds_count[1m]))",
             "decode TTFT mean": "sum(rate(turbowire_proxy_decode_ttft_seconds_sum[1m])) / "
-                                "sum(rate(turbowire_proxy_decode_ttft_seconds_count[1m]))",
+            "sum(rate(turbowire_proxy_decode_ttft_seconds_count[1m]))",
             "staging capacity": "sum(turbowire_staging_capacity_bytes) > 0",
             "proxy ok requests": 'sum(turbowire_proxy_requests_total{outcome="ok"}) > 0',
         }
         panel_values = {name: prom.query_scalar(expr) for name, expr in panels.items()}
     p_log, d_log = p.log_text()[p_off:], d.log_text()[d_off:]
-    logged = {_hostport(p.url): logged_ratio(p_log, "sent"),
-              _hostport(d.url): logged_ratio(d_log, "received")}
-    result = {"rule": rule, "logged": logged, "panels": panel_values,
-              "logged_totals": {"prefill": logged_transfer_totals(p_log),
-                                "decode": logged_transfer_totals(d_log)}}
+    logged = {
+        _hostport(p.url): logged_ratio(p_log, "sent"),
+        _hostport(d.url): logged_ratio(d_log, "received"),
+    }
+    result = {
+        "rule": rule,
+        "logged": logged,
+        "panels": panel_values,
+        "logged_totals": {
+            "prefill": logged_transfer_totals(p_log),
+            "decode": logged_transfer_totals(d_log),
+        },
+    }
     log(f"metrics check: {result}")
     for instance, want in logged.items():
         assert want is not None, f"{instance} logged no KV transfer during the check"

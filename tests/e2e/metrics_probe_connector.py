@@ -14,16 +14,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from turbowire.connector import prom
+from turbowire.connector.stats import TurboWireConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
 )
 
-from turbowire.connector import prom
-from turbowire.connector.stats import TurboWireConnectorStats
-
 BYTES_PER_TOKEN = 4096
 WIRE_DIVISOR = 4
+
 
 class ProbeMeta(KVConnectorMetadata):
     """Nothing to carry: the probe moves no KV."""
@@ -41,7 +41,9 @@ class StatsProbeConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         if not self._t:
             self._t = time.perf_counter()
 
@@ -50,7 +52,9 @@ class StatsProbeConnector(KVConnectorBase_V1):
             self.stats.observe("encode_seconds", time.perf_counter() - self._t, preset="tq4")
             self._t = 0.0
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -69,10 +73,19 @@ class StatsProbeConnector(KVConnectorBase_V1):
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TurboWireConnectorStats:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> TurboWireConnectorStats:
         return prom.build_kv_connector_stats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return prom.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        return prom.build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

@@ -29,16 +29,18 @@ def test_promtool_rule_unit_tests() -> None:
     """deploy/prometheus/rules_test.yaml: ratio values and alert firing/not firing."""
     out = subprocess.run(
         ["promtool", "test", "rules", "rules_test.yaml"],
-        cwd=RULES_PATH.parent, capture_output=True, text=True, check=False,
+        cwd=RULES_PATH.parent,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def _exporter(kv_role: str, preset: str):
     """A real prometheus_client HTTP exporter carrying the connector's metrics."""
-    from vllm.config import KVTransferConfig
-
     from turbowire.connector.prom import build_prom_metrics
+    from vllm.config import KVTransferConfig
 
     reg = CollectorRegistry()
     types = {
@@ -46,10 +48,13 @@ def _exporter(kv_role: str, preset: str):
         Counter: functools.partial(Counter, registry=reg),
         Histogram: functools.partial(Histogram, registry=reg),
     }
-    cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(
-        kv_connector="TurboWireConnector", kv_role=kv_role,
-        kv_connector_extra_config={"preset": preset},
-    ))
+    cfg = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TurboWireConnector",
+            kv_role=kv_role,
+            kv_connector_extra_config={"preset": preset},
+        )
+    )
     prom = build_prom_metrics(cfg, types, ["model_name", "engine"], {0: ["smollm2", "0"]})
     port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=reg)
@@ -85,7 +90,8 @@ def test_recording_rule_matches_exported_ratio() -> None:
     try:
         with LocalPrometheus(
             {"engines": [f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"]},
-            scrape_interval_s=1.0, evaluation_interval_s=1.0,
+            scrape_interval_s=1.0,
+            evaluation_interval_s=1.0,
         ) as prom:
             prom.wait_for_targets_up(timeout_s=30)
             assert set(prom.rule_health().values()) <= {"ok", "unknown"}
@@ -100,14 +106,16 @@ def test_recording_rule_matches_exported_ratio() -> None:
             time.sleep(3)
 
             def ratios():
-                got = {s.labels["role"]: s.value
-                       for s in prom.query("turbowire:kv_compression_ratio:rate1m")}
+                got = {
+                    s.labels["role"]: s.value
+                    for s in prom.query("turbowire:kv_compression_ratio:rate1m")
+                }
                 return got if set(got) == {"producer", "consumer"} else None
 
             got = prom.wait_for(ratios, 20, "ratio rule for both roles")
             for role, value in got.items():
                 assert value == pytest.approx(expected, rel=0.02), (role, value, expected)
-            util = prom.query_scalar('max(turbowire:staging_utilization:ratio)')
+            util = prom.query_scalar("max(turbowire:staging_utilization:ratio)")
             max_wire = (100 + 37 * 6) * 30 * 2 * 3 * 64 * 2 * 2 // 7 + 512
             assert util is not None and 0 < util <= max_wire / (1 << 26)
             p90 = prom.query_scalar(
@@ -131,5 +139,7 @@ def test_dashboard_expressions_accepted_by_real_prometheus() -> None:
     with LocalPrometheus({"self": [f"127.0.0.1:{port}"]}, port=port) as prom:
         exprs = dashboard_exprs()
         for expr in exprs:
-            prom.query(substitute_grafana_vars(expr))  # raises PrometheusError on a parse/type error
+            prom.query(
+                substitute_grafana_vars(expr)
+            )  # raises PrometheusError on a parse/type error
         assert len(exprs) >= 20

@@ -73,11 +73,13 @@ def test_readme_documents_every_metric_and_rule() -> None:
 
     readme = (REPO_ROOT / "README.md").read_text()
     for tag, specs in (("engine", ENGINE_METRICS), ("proxy", PROXY_METRICS)):
-        m = re.search(rf"<!-- metrics-table:{tag} -->\n(.*?)\n<!-- /metrics-table:{tag} -->",
-                      readme, re.S)
+        m = re.search(
+            rf"<!-- metrics-table:{tag} -->\n(.*?)\n<!-- /metrics-table:{tag} -->", readme, re.S
+        )
         assert m, f"README lacks the {tag} metrics table markers"
         assert m.group(1) == markdown_table(specs), (
-            f"README {tag} table is stale: regenerate it from turbowire.metrics_catalog.markdown_table"
+            f"README {tag} table is stale: regenerate it with "
+            "turbowire.metrics_catalog.markdown_table"
         )
     for name in rule_exprs():
         assert f"`{name}`" in readme, f"README does not describe rule {name}"

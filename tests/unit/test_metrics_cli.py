@@ -8,7 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client import (
-    CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
 )
 from typer.testing import CliRunner
 
@@ -16,15 +21,15 @@ from turbowire.metrics_summary import Histo, MetricsFormatError, Snapshot, summa
 
 
 def _engine_registry(kv_role: str = "kv_producer"):
-    from vllm.config import KVTransferConfig
-
     from turbowire.connector.prom import build_prom_metrics
     from turbowire.connector.stats import TurboWireConnectorStats
+    from vllm.config import KVTransferConfig
 
     reg = CollectorRegistry()
     types = {c: functools.partial(c, registry=reg) for c in (Gauge, Counter, Histogram)}
-    cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(
-        kv_connector="TurboWireConnector", kv_role=kv_role))
+    cfg = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(kv_connector="TurboWireConnector", kv_role=kv_role)
+    )
     prom = build_prom_metrics(cfg, types, ["model_name", "engine"], {0: ["m", "0"]})
 
     def feed(n: int, dense: int, wire: int) -> None:
@@ -83,13 +88,17 @@ def test_cli_once_json_against_live_page() -> None:
     server, _thread = start_http_server(0, addr="127.0.0.1", registry=reg)
     try:
         port = server.server_address[1]
-        res = CliRunner().invoke(app, ["metrics", "--url", f"http://127.0.0.1:{port}", "--once", "--json"])
+        res = CliRunner().invoke(
+            app, ["metrics", "--url", f"http://127.0.0.1:{port}", "--once", "--json"]
+        )
         assert res.exit_code == 0, res.output
         out = json.loads(res.output)
         rows = out[f"http://127.0.0.1:{port}/metrics"]
         assert rows["role"] == "consumer"
         assert rows["compression ratio sent"] == "3.00x"
-        res = CliRunner().invoke(app, ["metrics", "--url", f"http://127.0.0.1:{port}/metrics", "--once"])
+        res = CliRunner().invoke(
+            app, ["metrics", "--url", f"http://127.0.0.1:{port}/metrics", "--once"]
+        )
         assert res.exit_code == 0 and "3.00x" in res.output and "consumer" in res.output
     finally:
         server.shutdown()
@@ -105,6 +114,7 @@ def test_cli_once_fails_on_unreachable_url() -> None:
 
 def test_logged_totals_from_vllm_log_lines() -> None:
     from turbowire.connector.stats import TurboWireConnectorStats
+
     from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
 
     lines = []
@@ -113,7 +123,9 @@ def test_logged_totals_from_vllm_log_lines() -> None:
         s.record_send("nixl", "tq4", dense, wire)
         s.observe("transfer_seconds", 0.01)
         body = ", ".join(f"{k}={v}" for k, v in s.reduce().items())  # as vLLM's KVConnectorLogging
-        lines.append(f"(APIServer pid=1) INFO 05-01 10:00:00 [metrics.py:98] KV Transfer metrics: {body}")
+        lines.append(
+            f"(APIServer pid=1) INFO 05-01 10:00:00 [metrics.py:98] KV Transfer metrics: {body}"
+        )
     text = "noise\n" + "\n".join(lines) + "\nmore noise\n"
     totals = logged_transfer_totals(text)
     assert totals["Dense bytes sent"] == 13000 and totals["Wire bytes sent"] == 3000

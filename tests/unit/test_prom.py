@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
 from turbowire.connector.prom import build_kv_connector_stats, build_prom_metrics, role_label
 from turbowire.connector.stats import TurboWireConnectorStats
+
 from turbowire.metrics_catalog import ENGINE_METRICS
 
 
@@ -19,7 +19,9 @@ def _config(kv_role: str, extra: dict | None = None) -> SimpleNamespace:
 
     return SimpleNamespace(
         kv_transfer_config=KVTransferConfig(
-            kv_connector="TurboWireConnector", kv_role=kv_role, kv_connector_extra_config=extra or {}
+            kv_connector="TurboWireConnector",
+            kv_role=kv_role,
+            kv_connector_extra_config=extra or {},
         )
     )
 
@@ -53,7 +55,8 @@ def _get(samples, name, **labels):
 
 
 @pytest.mark.parametrize(
-    "kv_role,expected", [("kv_producer", "producer"), ("kv_consumer", "consumer"), ("kv_both", "both")]
+    "kv_role,expected",
+    [("kv_producer", "producer"), ("kv_consumer", "consumer"), ("kv_both", "both")],
 )
 def test_role_label(kv_role: str, expected: str) -> None:
     assert role_label(_config(kv_role)) == expected
@@ -152,17 +155,23 @@ def test_default_registry_rebuild_does_not_collide() -> None:
 
     types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
     for _ in range(2):
-        prom = build_prom_metrics(_config("kv_both"), types, ["model_name", "engine"], {0: ["m", "0"]})
+        prom = build_prom_metrics(
+            _config("kv_both"), types, ["model_name", "engine"], {0: ["m", "0"]}
+        )
     s = TurboWireConnectorStats()
     s.record_stored(77)
     prom.observe(s.to_dict())
-    assert REGISTRY.get_sample_value(
-        "turbowire_store_stored_bytes_total", {"model_name": "m", "engine": "0", "role": "both"}
-    ) == 77
+    assert (
+        REGISTRY.get_sample_value(
+            "turbowire_store_stored_bytes_total", {"model_name": "m", "engine": "0", "role": "both"}
+        )
+        == 77
+    )
 
 
 @pytest.mark.parametrize(
-    "kv_role,directions", [("kv_producer", {"send"}), ("kv_consumer", {"recv"}), ("kv_both", {"send", "recv"})]
+    "kv_role,directions",
+    [("kv_producer", {"send"}), ("kv_consumer", {"recv"}), ("kv_both", {"send", "recv"})],
 )
 def test_traffic_series_exist_at_zero_from_start(kv_role: str, directions: set[str]) -> None:
     """rate() drops the value a series first appears with: the byte counters must start at 0."""

@@ -7,7 +7,6 @@ import pickle
 import threading
 
 import pytest
-
 from turbowire.connector.stats import (
     MAX_OBSERVATIONS_PER_SERIES,
     StatsLabelError,
@@ -71,7 +70,9 @@ def test_aggregate_is_order_independent_for_counters() -> None:
     a = _worker(0).aggregate(_worker(1)).aggregate(_worker(2))
     b = _worker(2).aggregate(_worker(0)).aggregate(_worker(1))
     assert a.data["counters"] == b.data["counters"]
-    assert sorted(a.data["histograms"][series_key("transfer_seconds", {"transport": "nixl", "preset": "tq4"})]) == sorted(
+    assert sorted(
+        a.data["histograms"][series_key("transfer_seconds", {"transport": "nixl", "preset": "tq4"})]
+    ) == sorted(
         b.data["histograms"][series_key("transfer_seconds", {"transport": "nixl", "preset": "tq4"})]
     )
 

@@ -1,4 +1,4 @@
-"""``turbowire metrics``: a live summary of turbowire series from engines' or the proxy's /metrics."""
+"""``turbowire metrics``: a live summary of turbowire series from engine or proxy /metrics pages."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ def register(app: typer.Typer) -> None:
     @app.command("metrics")
     def metrics(
         url: list[str] = typer.Option(
-            ..., "--url", "-u",
+            ...,
+            "--url",
+            "-u",
             help="A /metrics URL (engine or proxy); repeat for several. "
-                 "'/metrics' is appended when the URL has no path.",
+            "'/metrics' is appended when the URL has no path.",
         ),
-        interval: float = typer.Option(2.0, "--interval", "-i", min=0.2,
-                                       help="Seconds between refreshes."),
+        interval: float = typer.Option(
+            2.0, "--interval", "-i", min=0.2, help="Seconds between refreshes."
+        ),
         once: bool = typer.Option(False, "--once", help="Print one table and exit (for scripts)."),
         as_json: bool = typer.Option(False, "--json", help="With --once: print JSON rows instead."),
         timeout: float = typer.Option(5.0, help="HTTP timeout per scrape, seconds."),
@@ -39,14 +42,18 @@ def register(app: typer.Typer) -> None:
 
         from turbowire.metrics_summary import MetricsFormatError, Snapshot, summarize
 
-        urls = [u if httpx.URL(u).path not in ("", "/") else u.rstrip("/") + "/metrics" for u in url]
+        urls = [
+            u if httpx.URL(u).path not in ("", "/") else u.rstrip("/") + "/metrics" for u in url
+        ]
         for u in urls:
             if httpx.URL(u).scheme not in ("http", "https"):
                 raise typer.BadParameter(f"{u!r} is not an http(s) URL", param_hint="--url")
         console = Console()
         previous: dict[str, tuple[float, Snapshot]] = {}
 
-        def scrape(client: httpx.Client) -> tuple[list[tuple[str, list[tuple[str, str]]]], list[str]]:
+        def scrape(
+            client: httpx.Client,
+        ) -> tuple[list[tuple[str, list[tuple[str, str]]]], list[str]]:
             results, errors = [], []
             for u in urls:
                 try:
@@ -59,8 +66,9 @@ def register(app: typer.Typer) -> None:
                     continue
                 now = time.monotonic()
                 before = previous.get(u)
-                rows = summarize(snap, before[1] if before else None,
-                                 now - before[0] if before else None)
+                rows = summarize(
+                    snap, before[1] if before else None, now - before[0] if before else None
+                )
                 if not rows:
                     rows = [("turbowire series", "none on this page")]
                 previous[u] = (now, snap)
