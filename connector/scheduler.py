@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -187,7 +187,7 @@ class TurboWireScheduler:
                 engine_id=self.engine_id,
                 record=self.record,
                 staging=staging,
-                leases=self.pool,
+                leases=_GaugedLeases(self),
                 lease_seconds=self.config.lease_seconds,
                 bind_host=self.config.side_channel_bind,
                 port=self.side_channel_port,
@@ -556,6 +556,24 @@ class TurboWireScheduler:
                     "prefill engine %s:%d no longer holds leases %s (expired?)",
                     host, port, list(reply.unknown)[:5],
                 )
+
+
+class _GaugedLeases:
+    """The pool as the side channel sees it: gauges follow releases made from gRPC threads."""
+
+    def __init__(self, owner: TurboWireScheduler) -> None:
+        self._owner = owner
+
+    def release(self, request_ids: Iterable[str], consumer: int = 0) -> tuple[list[str], list[str]]:
+        result = self._owner.pool.release(request_ids, consumer)
+        self._owner._publish_gauges()
+        return result
+
+    def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        return self._owner.pool.heartbeat(request_ids)
+
+    def snapshot(self) -> Any:
+        return self._owner.pool.snapshot()
 
 
 def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:

@@ -129,6 +129,16 @@ class SideChannelClient:
             raise self._fail("heartbeat", err) from err
 
 
+    def pool_status(self) -> pb.PoolStatusReply:
+        """The peer's staging pool right now (slots used, leases outstanding)."""
+        try:
+            return self._stub.PoolStatus(
+                pb.PoolStatusRequest(), timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise self._fail("pool status", err) from err
+
+
 class ClientPool:
     """One client per (host, port), shared by the threads of a process."""
 

@@ -43,6 +43,8 @@ class LeaseHandler(Protocol):
 
     def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]: ...
 
+    def snapshot(self) -> Any: ...
+
 
 class _AuthInterceptor(grpc.ServerInterceptor):
     """Refuses every call without the shared bearer token (constant-time compare)."""
@@ -129,6 +131,19 @@ class _Servicer(pb_grpc.SideChannelServicer):
     ) -> pb.LeaseReply:
         done, unknown = self._owner.leases.heartbeat(self._ids(request, context))
         return pb.LeaseReply(done=done, unknown=unknown)
+
+    def PoolStatus(  # noqa: N802
+        self, request: pb.PoolStatusRequest, context: grpc.ServicerContext
+    ) -> pb.PoolStatusReply:
+        snap = self._owner.leases.snapshot()
+        info = next(iter(self._owner.staging.values()), None)
+        return pb.PoolStatusReply(
+            capacity_slots=snap.capacity_slots,
+            used_slots=snap.used_slots,
+            leases=snap.leases,
+            reserved_requests=snap.reserved_requests,
+            slot_bytes=info.slot_bytes if info is not None else 0,
+        )
 
 
 class SideChannelServer:

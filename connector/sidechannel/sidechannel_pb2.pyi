@@ -93,3 +93,21 @@ class LeaseReply(_message.Message):
     done: _containers.RepeatedScalarFieldContainer[str]
     unknown: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, done: _Optional[_Iterable[str]] = ..., unknown: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PoolStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolStatusReply(_message.Message):
+    __slots__ = ("capacity_slots", "used_slots", "leases", "reserved_requests", "slot_bytes")
+    CAPACITY_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    capacity_slots: int
+    used_slots: int
+    leases: int
+    reserved_requests: int
+    slot_bytes: int
+    def __init__(self, capacity_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., leases: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...

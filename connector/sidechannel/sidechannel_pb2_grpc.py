@@ -49,6 +49,11 @@ class SideChannelStub(object):
                 request_serializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.LeaseReply.FromString,
                 _registered_method=True)
+        self.PoolStatus = channel.unary_unary(
+                '/turbowire.sidechannel.v1.SideChannel/PoolStatus',
+                request_serializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.PoolStatusRequest.SerializeToString,
+                response_deserializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.PoolStatusReply.FromString,
+                _registered_method=True)
 
 
 class SideChannelServicer(object):
@@ -72,6 +77,12 @@ class SideChannelServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PoolStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SideChannelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_SideChannelServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.LeaseRequest.FromString,
                     response_serializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.LeaseReply.SerializeToString,
+            ),
+            'PoolStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.PoolStatus,
+                    request_deserializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.PoolStatusRequest.FromString,
+                    response_serializer=turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.PoolStatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class SideChannel(object):
             '/turbowire.sidechannel.v1.SideChannel/Heartbeat',
             turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.LeaseRequest.SerializeToString,
             turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.LeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PoolStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/turbowire.sidechannel.v1.SideChannel/PoolStatus',
+            turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.PoolStatusRequest.SerializeToString,
+            turbowire_dot_connector_dot_sidechannel_dot_sidechannel__pb2.PoolStatusReply.FromString,
             options,
             channel_credentials,
             insecure,

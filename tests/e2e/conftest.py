@@ -51,6 +51,27 @@ class PDStack:
     decode: ManagedProcess
     proxy: ManagedProcess
     staging_bytes: int
+    prefill_side_port: int
+
+    def pool_status(self):
+        """The prefill engine's staging pool now, over its real side channel."""
+        from turbowire.connector.sidechannel.client import SideChannelClient
+
+        client = SideChannelClient("127.0.0.1", self.prefill_side_port, None, timeout=10)
+        try:
+            return client.pool_status()
+        finally:
+            client.close()
+
+    def wait_pool_empty(self, timeout: float = 30.0):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.pool_status()
+            if (status.used_slots == 0 and status.leases == 0) or time.monotonic() > deadline:
+                return status
+            time.sleep(0.2)
 
     def complete(self, url: str, prompt: str | list[int], max_tokens: int = 16, **kw) -> dict:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
@@ -95,9 +116,10 @@ def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
                       max_num_batched_tokens=1024, served_model_name=MODEL_NAME)
         cfg = dict(preset=preset, staging_bytes=staging_bytes, lease_seconds=10,
                    **(extra or {}))
+        p_side = free_port()
         p = group.add(start_engine(EngineSpec(
             "prefill", model, free_port(), cpu=0,
-            kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **cfg),
+            kv_transfer_config=turbowire_kv_config(side_channel_port=p_side, **cfg),
             **common), log_dir))
         d = group.add(start_engine(EngineSpec(
             "decode", model, free_port(), cpu=1,
@@ -107,7 +129,7 @@ def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
         d.wait_healthy(900)
         x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
         x.wait_healthy(120)
-        stack = PDStack(preset, p, d, x, staging_bytes)
+        stack = PDStack(preset, p, d, x, staging_bytes, p_side)
         # Warm-up: handshake + NIXL connection before any timed or compared request.
         stack.complete(x.url, "warm up the connection please", max_tokens=2)
         return group, stack

@@ -241,3 +241,22 @@ def test_expired_lease_is_counted(prefill):
     assert sched.pool.snapshot().used_slots == 0
     counters = sched.get_stats().data["counters"]
     assert any("reason=lease_expired" in k for k in counters)
+
+
+def test_load_config_validates_and_sets_vllm_failure_policy():
+    from turbowire.connector.config import ConnectorConfigError
+    from turbowire.connector.connector import load_config
+
+    ktc = KVTransferConfig(
+        kv_connector="TurboWireConnector", kv_role="kv_both",
+        kv_connector_extra_config={"preset": "k8v4", "load_failure_policy": "recompute"},
+    )
+    cfg = load_config(SimpleNamespace(kv_transfer_config=ktc))
+    assert cfg.preset == "k8v4"
+    assert ktc.kv_load_failure_policy == "recompute"  # what vLLM's scheduler reads next
+    bad = KVTransferConfig(
+        kv_connector="TurboWireConnector", kv_role="kv_both",
+        kv_connector_extra_config={"preset": "tq9"},
+    )
+    with pytest.raises(ConnectorConfigError, match="preset='tq9' is unknown"):
+        load_config(SimpleNamespace(kv_transfer_config=bad))
