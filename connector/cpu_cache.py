@@ -153,3 +153,73 @@ def _detect_cached(dtype: torch.dtype, heads: int, bs: int, d: int) -> tuple[str
             _DETECTED[key][1], _DETECTED[key][0],
         )
     return _DETECTED[key]
+
+
+# ---- a contiguous detour so the codec's fast paths apply ----------------------------------
+def _packed_copy(
+    cache: torch.Tensor, layout: CpuAttnKVLayout, tables: list[list[int]], needed: list[set[int]]
+) -> tuple[torch.Tensor, PagedKVLayout, list[list[int]]]:
+    """Copy the needed blocks into a scratch cache with K|V per token (unit-stride head_dim),
+    the layout the codec kernels are fastest on. Request r's table maps onto its own segment."""
+    total = sum(len(t) for t in tables)
+    h, bs, d = layout.num_heads, layout.block_size, layout.head_dim
+    scratch = torch.empty(total, h, bs, 2 * d, dtype=cache.dtype, device=cache.device)
+    k_view, v_view = layout.views(cache)
+    mapped: list[list[int]] = []
+    src: list[int] = []
+    dst: list[int] = []
+    base = 0
+    for table, want in zip(tables, needed, strict=True):
+        mapped.append(list(range(base, base + len(table))))
+        for i in sorted(want):
+            src.append(table[i])
+            dst.append(base + i)
+        base += len(table)
+    if src:
+        s = torch.tensor(src, dtype=torch.long, device=cache.device)
+        t = torch.tensor(dst, dtype=torch.long, device=cache.device)
+        scratch[t, :, :, :d] = k_view[s].permute(0, 2, 1, 3)
+        scratch[t, :, :, d:] = v_view[s].permute(0, 2, 1, 3)
+    return scratch, PagedKVLayout.from_cache(scratch, head_dim=d), mapped
+
+
+def encode_via_packed(codec, layer: int, cache: torch.Tensor, layout: CpuAttnKVLayout,
+                      items: list, staging: torch.Tensor) -> list[int]:
+    """``encode_into`` for a CPU attention cache, through a contiguous scratch copy."""
+    from turbowire.kernels import EncodeItem, encode_into
+
+    bs = layout.block_size
+    tables = [list(it.block_ids) for it in items]
+    needed = [
+        set(range(it.token_start // bs, (it.token_start + it.num_tokens - 1) // bs + 1))
+        for it in items
+    ]
+    for table, want in zip(tables, needed, strict=True):
+        if max(want) >= len(table):
+            raise IndexError(f"block table of {len(table)} blocks does not cover block {max(want)}")
+    scratch, slayout, mapped = _packed_copy(cache, layout, tables, needed)
+    moved = [
+        EncodeItem(m, it.token_start, it.num_tokens, it.out_offset, it.tag)
+        for m, it in zip(mapped, items, strict=True)
+    ]
+    return encode_into(codec, layer, scratch, slayout, moved, staging)
+
+
+def decode_via_packed(codec, layer: int, cache: torch.Tensor, layout: CpuAttnKVLayout,
+                      items: list, source: torch.Tensor) -> None:
+    """``decode_into`` for a CPU attention cache: verify+decode every item into a scratch copy,
+    then write only the decoded tokens into the real cache."""
+    from turbowire.kernels import DecodeItem, decode_into
+
+    tables = [list(it.block_ids) for it in items]
+    for table in tables:  # bounds-check the real destination before anything is decoded
+        layout.token_index(table, 0, len(table) * layout.block_size)
+    scratch, slayout, mapped = _packed_copy(cache, layout, tables, [set() for _ in items])
+    moved = [
+        DecodeItem(m, it.token_start, it.num_tokens, it.in_offset, it.nbytes, it.expected_tag)
+        for m, it in zip(mapped, items, strict=True)
+    ]
+    decode_into(codec, layer, scratch, slayout, moved, source)
+    for m, table, it in zip(mapped, tables, items, strict=True):
+        k, v = slayout.gather(scratch, m, it.token_start, it.num_tokens)
+        layout.scatter(cache, table, it.token_start, k, v)

@@ -219,6 +219,11 @@ class TurboWireWorker:
             return cpu_kv_layout(cache, self.geometry.head_dim)
         return PagedKVLayout.from_cache(cache, head_dim=self.geometry.head_dim)
 
+    @staticmethod
+    def _via_packed(layout: Any) -> bool:
+        """CPU attention caches with keys transposed go through a contiguous scratch copy."""
+        return getattr(layout, "mapping", "packed") != "packed"
+
     def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
         """Exact bytes of the chunk of request block ``block_index`` (the first block of a
         sequence carries extra rows, so the size depends on where the block starts)."""
@@ -291,9 +296,13 @@ class TurboWireWorker:
                 limits.append(self.layout.full_chunk_bytes[layer])
                 expected.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
         t0 = time.perf_counter()
-        written = encode_into(
-            self.codec, layer, cache, self.paged_layouts[layer], items, self.staging
-        )
+        layout = self.paged_layouts[layer]
+        if self._via_packed(layout):
+            from turbowire.connector.cpu_cache import encode_via_packed
+
+            written = encode_via_packed(self.codec, layer, cache, layout, items, self.staging)
+        else:
+            written = encode_into(self.codec, layer, cache, layout, items, self.staging)
         self._step_encode_seconds += time.perf_counter() - t0
         for n, limit, want in zip(written, limits, expected, strict=True):
             if n > limit:  # would have spilled into the next layer's chunk
@@ -538,10 +547,13 @@ class TurboWireWorker:
                         expected_tag=block.tag,
                     )
                 )
-            decode_into(
-                self.codec, layer, self.kv_caches[layer], self.paged_layouts[layer], items,
-                self.recv,
-            )
+            layout = self.paged_layouts[layer]
+            if self._via_packed(layout):
+                from turbowire.connector.cpu_cache import decode_via_packed
+
+                decode_via_packed(self.codec, layer, self.kv_caches[layer], layout, items, self.recv)
+            else:
+                decode_into(self.codec, layer, self.kv_caches[layer], layout, items, self.recv)
         if self.recv.device.type == "cuda":
             torch.cuda.current_stream(self.recv.device).synchronize()
         return time.perf_counter() - t0
