@@ -53,5 +53,10 @@ demo: setup
 bench-e2e: setup
 	$(VENV)/bin/turbowire --log-level INFO bench e2e --out bench/e2e/out $(BENCH_E2E_ARGS)
 
+# Triton codec kernels on a CUDA GPU (the H200 machine: its python3 has torch + triton; no venv
+# or install needed): bit-exactness vs the reference on the GPU, then the throughput table.
+bench-kernels:
+	$(if $(wildcard $(PY)),$(PY),python3) bench/kernels.py --out $${OUT:-bench/results/kernels} $(BENCH_KERNELS_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -48,6 +48,16 @@ def _check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None
         )
 
 
+def _use_triton(impl: str, codec: Codec, kv_cache: torch.Tensor) -> bool:
+    """impl: "auto" (Triton for CUDA caches), "triton" (also on CPU under TRITON_INTERPRET=1,
+    for tests) or "reference"."""
+    from turbowire.kernels import triton_dispatch
+
+    if impl not in ("auto", "triton", "reference"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and triton_dispatch.applies(codec, kv_cache))
+
+
 def encode_into(
     codec: Codec,
     layer: int,
@@ -55,12 +65,17 @@ def encode_into(
     layout: PagedKVLayout,
     items: Sequence[EncodeItem],
     staging: torch.Tensor,
+    *,
+    impl: str = "auto",
+    kernel_config: Any = None,
 ) -> list[int]:
     """Encode each item's tokens of this layer into ``staging`` (uint8); bytes written per item."""
     from turbowire.kernels import triton_dispatch
 
-    if triton_dispatch.applies(codec, kv_cache):
-        return triton_dispatch.encode_into(codec, layer, kv_cache, layout, items, staging)
+    if _use_triton(impl, codec, kv_cache):
+        return triton_dispatch.encode_into(
+            codec, layer, kv_cache, layout, items, staging, kernel_config
+        )
     written = []
     for item in items:
         k, v = layout.gather(kv_cache, item.block_ids, item.token_start, item.num_tokens)
@@ -78,12 +93,15 @@ def decode_into(
     layout: PagedKVLayout,
     items: Sequence[DecodeItem],
     source: torch.Tensor,
+    *,
+    impl: str = "auto",
+    kernel_config: Any = None,
 ) -> None:
     """Verify and decode every item, then scatter them; nothing is written if any item fails."""
     from turbowire.kernels import triton_dispatch
 
-    if triton_dispatch.applies(codec, kv_cache):
-        triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source)
+    if _use_triton(impl, codec, kv_cache):
+        triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config)
         return
     decoded = []
     for item in items:

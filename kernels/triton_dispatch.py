@@ -1,19 +1,629 @@
-"""Hook for the Triton implementations (CUDA caches). Until they land nothing applies."""
+"""Host side of the Triton codec kernels: validation, item tables, launches, error reporting.
+
+``encode_into`` / ``decode_into`` (one layer) and ``encode_layers_into`` / ``decode_layers_into``
+(several layers of one model in as few launches as possible: one per distinct layer policy)
+take the same items as the reference dispatch. Everything a peer can influence is checked on the
+host before a launch (block ids, token ranges, buffer ranges); chunk headers and body checksums
+are checked on the GPU by ``verify_kernel`` and the decode kernel writes nothing unless every
+chunk of the call verified. Decoding reads one int32 status per chunk back to the host (one
+synchronisation per call) to raise the same exception the reference path raises.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from turbowire.codec import Codec, GeometryError, StreamSpec
+from turbowire.codec.codebooks import GAUSSIAN_LLOYD_MAX, boundaries, centroids
+from turbowire.codec.errors import ChecksumError, TruncatedPayloadError
+from turbowire.codec.packing import plane_widths
+from turbowire.codec.rotation import sign_tables
+from turbowire.codec.wire import HEADER_BYTES
+from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
+
+if TYPE_CHECKING:
+    from turbowire.kernels.dispatch import DecodeItem, EncodeItem
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+_KIND_CODES = {"raw": 0, "fp8": 1, "lloyd": 2}
+_MAX_LEVELS = 9  # binary-counter levels of the chunk-mean token fold (512 tiles)
+
+
+class StagingAlignmentError(ValueError):
+    """A chunk offset in the staging/receive buffer is not 16-byte aligned (kernels store words)."""
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of the kernels. ``lanes``: threads sharing one head vector (None: 1 for
+    head_dim <= 128, 2 for 256); ``qmode``: 0 gathers quantizer thresholds from a table, 1 picks
+    them with a select tree; ``tile_rows`` overrides the rows per tile (tests use small tiles to
+    reach the multi-tile paths with few tokens)."""
+
+    num_warps: int = 4
+    lanes: int | None = None
+    decode_lanes: int | None = None
+    qmode: int = 1
+    tile_rows: int | None = None
+    verify_words: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of two up to 16, got {self.num_warps}")
+        for lanes in (self.lanes, self.decode_lanes):
+            if lanes is not None and lanes not in (1, 2, 4):
+                raise ValueError(f"lanes must be 1, 2 or 4, got {lanes}")
+        if self.qmode not in (0, 1):
+            raise ValueError("qmode is 0 (gather) or 1 (select tree)")
+        if self.tile_rows is not None and (self.tile_rows < 1 or self.tile_rows & (self.tile_rows - 1)):
+            raise ValueError("tile_rows must be a power of two")
+        if self.verify_words < 16 or self.verify_words & (self.verify_words - 1):
+            raise ValueError("verify_words must be a power of two >= 16")
+
+    def lanes_for(self, head_dim: int, encode: bool = True) -> int:
+        """Encode: 1 lane per row up to head_dim 64, else head_dim/64 lanes (64 fp32 values per
+        thread keep the encoder out of register spills); decode: head_dim/128 lanes, min 1."""
+        if not encode and self.decode_lanes is not None:
+            return self.decode_lanes
+        if self.lanes is not None:
+            return self.lanes
+        return max(1, head_dim // 64) if encode else max(1, head_dim // 128)
+
+    def tile_rows_for(self, head_dim: int, encode: bool = True) -> int:
+        lanes = self.lanes_for(head_dim, encode)
+        natural = 32 * self.num_warps // lanes
+        rows = self.tile_rows or natural
+        # the chunk-mean tile puts head_dim/8 lanes across a row: it needs that many rows at least
+        th = max(32 // min(head_dim // 8, 32), 1) * self.num_warps
+        if rows < th:
+            raise ValueError(
+                f"tile_rows {rows} is below {th}, the rows {self.num_warps} warps cover at "
+                f"head_dim {head_dim}; use more rows or fewer warps"
+            )
+        return rows
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - triton is a dependency of the GPU extra
+        return False
+    return True
+
 
 def applies(codec: Any, kv_cache: torch.Tensor) -> bool:
-    return False
+    """True where the Triton kernels serve: CUDA caches of bf16/fp16 with a supported head_dim."""
+    return (
+        kv_cache.is_cuda
+        and kv_cache.dtype in SUPPORTED_DTYPES
+        and getattr(codec, "head_dim", None) in (64, 128, 256)
+        and triton_available()
+    )
 
 
-def encode_into(*args: Any, **kwargs: Any) -> list[int]:  # pragma: no cover - not reachable
-    raise RuntimeError("no Triton encode kernel for this cache")
+# ------------------------------------------------------------------------------------------
+# constants of a stream spec / codebook tables
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _StreamConsts:
+    kind: int
+    bits: int
+    center: int
+    sink: int
+    nhi: int
+    words: int
+
+    def prefixed(self, p: str) -> dict[str, int]:
+        return {f"{p}_KIND": self.kind, f"{p}_BITS": self.bits, f"{p}_CENTER": self.center,
+                f"{p}_SINK": self.sink, f"{p}_NHI": self.nhi, f"{p}_WORDS": self.words}
 
 
-def decode_into(*args: Any, **kwargs: Any) -> None:  # pragma: no cover - not reachable
-    raise RuntimeError("no Triton decode kernel for this cache")
+def _planes(spec: StreamSpec, dim: int) -> list[tuple[int, int, int, int]]:
+    """(group start, group size, plane width, plane byte offset in the row) of a lloyd spec."""
+    out = []
+    g0 = 0
+    off = 0
+    for bits, count in spec.coord_bits(dim):
+        for w in plane_widths(bits):
+            out.append((g0, count, w, off))
+            off += count * w // 8
+        g0 += count
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_consts(spec: StreamSpec, dim: int) -> _StreamConsts:
+    kind = _KIND_CODES[spec.kind]
+    if kind != 2:
+        return _StreamConsts(kind, 0, 0, 0, 0, 0)
+    if spec.bits + (1 if spec.hi_eighths else 0) not in GAUSSIAN_LLOYD_MAX:
+        raise GeometryError(f"no codebook for {spec.bits}-bit lloyd streams")
+    nhi = dim * spec.hi_eighths // 8
+    words = all(
+        off % 4 == 0 and (n * w // 8) % 4 == 0 and g0 % (32 // w) == 0
+        for g0, n, w, off in _planes(spec, dim)
+    )
+    return _StreamConsts(kind, spec.bits, int(spec.center), spec.sink_tokens, nhi, int(words))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables_cpu(dim: int) -> torch.Tensor:
+    """fp32 table: s1, s2 (dim each), then per bit width b = 1..6 at table_offset(dim, b):
+    2**b thresholds (last one +inf), 2**b levels, 2**b squared levels (fp32(c * c))."""
+    from turbowire.kernels.triton_codec import table_offset
+
+    s1, s2 = sign_tables(dim)
+    size = table_offset(dim, max(GAUSSIAN_LLOYD_MAX) + 1)
+    tab = torch.zeros(size, dtype=torch.float32)
+    tab[:dim] = s1
+    tab[dim : 2 * dim] = s2
+    for b in GAUSSIAN_LLOYD_MAX:
+        o = table_offset(dim, b)
+        n = 1 << b
+        tab[o : o + n - 1] = boundaries(b)
+        tab[o + n - 1] = math.inf
+        c = centroids(b)
+        tab[o + n : o + 2 * n] = c
+        tab[o + 2 * n : o + 3 * n] = c * c
+    return tab
+
+
+@functools.lru_cache(maxsize=None)
+def _sign_mask(dim: int, which: int) -> int:
+    """The sign table s1 (which=0) or s2 as an integer with bit d set where s[d] == -1 (kernels
+    take it as a compile-time constant, so signs cost no registers)."""
+    s = sign_tables(dim)[which]
+    return sum(1 << d for d in range(dim) if float(s[d]) < 0)
+
+
+_TABLE_CACHE: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _tables(dim: int, device: torch.device) -> torch.Tensor:
+    key = (dim, str(device))
+    tab = _TABLE_CACHE.get(key)
+    if tab is None:
+        tab = _tables_cpu(dim).to(device)
+        _TABLE_CACHE[key] = tab
+    return tab
+
+
+# ------------------------------------------------------------------------------------------
+# geometry of one layer's cache
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _CacheGeom:
+    k_off: int  # elements from the launch base pointer
+    v_off: int
+    strides: tuple[int, int, int]  # block, token, head (elements)
+
+
+def _cache_geom(kv_cache: torch.Tensor, layout: PagedKVLayout, base: torch.Tensor) -> _CacheGeom:
+    k, v = layout.views(kv_cache)
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
+        raise CacheLayoutError(
+            f"K/V views with strides {k.stride()} / {v.stride()}: the kernels need unit stride "
+            "along head_dim and the same strides for K and V"
+        )
+    es = kv_cache.element_size()
+    koff, krem = divmod(k.data_ptr() - base.data_ptr(), es)
+    voff, vrem = divmod(v.data_ptr() - base.data_ptr(), es)
+    strides = tuple(int(s) for s in k.stride()[:3])
+    if krem or vrem or koff % 8 or voff % 8 or any(s % 8 for s in strides):
+        raise CacheLayoutError(
+            "cache planes must start at 16-byte aligned element offsets with strides that are "
+            "multiples of 8 elements"
+        )
+    return _CacheGeom(koff, voff, strides)  # type: ignore[arg-type]
+
+
+def _block_list(block_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(block_ids, torch.Tensor):
+        return [int(b) for b in block_ids.reshape(-1).tolist()]
+    return [int(b) for b in block_ids]
+
+
+def _check_blocks(layout: PagedKVLayout, ids: list[int], token_start: int, num_tokens: int) -> None:
+    """Same refusals as PagedKVLayout.token_index (ids may come from a remote peer)."""
+    if num_tokens <= 0 or token_start < 0:
+        raise BlockIndexError(f"bad token range start={token_start} count={num_tokens}")
+    last = token_start + num_tokens - 1
+    if last // layout.block_size >= len(ids):
+        raise BlockIndexError(
+            f"tokens up to {last} need {last // layout.block_size + 1} blocks, "
+            f"{len(ids)} block ids given"
+        )
+    if ids and (min(ids) < 0 or max(ids) >= layout.num_blocks):
+        raise BlockIndexError(
+            f"block ids must be in 0..{layout.num_blocks - 1}, got {min(ids)}..{max(ids)}"
+        )
+    if len(set(ids)) != len(ids):
+        raise BlockIndexError("repeated block ids in one request")
+
+
+def _check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
+        raise BlockIndexError(
+            f"{what} range {offset}..{offset + nbytes} is outside the {buf.numel()}-byte buffer"
+        )
+    if offset % 16:
+        raise StagingAlignmentError(
+            f"{what} offset {offset} is not a multiple of 16 bytes (the Triton kernels need it)"
+        )
+
+
+def _check_disjoint(spans: list[tuple[int, int, str]]) -> None:
+    """Refuse overlapping [start, end) ranges (two chunks writing the same bytes or slots)."""
+    spans = sorted(spans)
+    for (a0, a1, what), (b0, _b1, _) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise BlockIndexError(f"two chunks write the same {what} ({a0}..{a1} overlaps {b0})")
+
+
+def _slot_spans(layout: PagedKVLayout, ids: list[int], start: int, tokens: int) -> list[tuple[int, int, str]]:
+    bs = layout.block_size
+    out = []
+    t = start
+    end = start + tokens
+    while t < end:
+        blk = ids[t // bs]
+        lo = t % bs
+        hi = min(bs, lo + end - t)
+        out.append((blk * bs + lo, blk * bs + hi, "cache slots"))
+        t += hi - lo
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_sizes(codec_key: tuple[Any, ...], codec: Codec, layer: int, tokens: int, heads: int,
+                 start: bool) -> tuple[int, int]:
+    """(chunk bytes, K stream bytes); cached per layer policy and token count."""
+    lay = codec.layout(layer, tokens, heads, 0 if start else tokens)
+    return lay.nbytes, lay.k.nbytes
+
+
+def _sizes(codec: Codec, layer: int, tokens: int, heads: int, token_start: int) -> tuple[int, int]:
+    pol = codec.policy(layer)
+    key = (codec.preset.preset_id, codec.head_dim, codec.num_layers, pol.k, pol.v)
+    return _chunk_sizes(key, codec, layer, tokens, heads, token_start == 0)
+
+
+# ------------------------------------------------------------------------------------------
+# plans: host-side validation and tables once, launches any number of times
+# ------------------------------------------------------------------------------------------
+@dataclass
+class _Launch:
+    """Items of one launch (one layer policy): rows of the int64 table and flat block ids."""
+
+    rows: list[list[int]]
+    blocks: list[int]
+    max_tiles: int = 1
+
+
+def _group_key(codec: Codec, layer: int) -> tuple[StreamSpec, StreamSpec]:
+    pol = codec.policy(layer)
+    return pol.k, pol.v
+
+
+def _check_jobs(codec: Codec, jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Any]],
+                buf: torch.Tensor, what: str) -> tuple[torch.Tensor, PagedKVLayout]:
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise TypeError(f"{what} must be a 1-D uint8 tensor")
+    base, lay0 = jobs[0][1], jobs[0][2]
+    if lay0.head_dim != codec.head_dim:
+        raise CacheLayoutError(f"cache head_dim {lay0.head_dim} != codec head_dim {codec.head_dim}")
+    if base.dtype not in SUPPORTED_DTYPES:
+        raise CacheLayoutError(f"the Triton kernels code bf16/fp16 caches, got {base.dtype}")
+    if buf.device != base.device:
+        raise CacheLayoutError(f"{what} is on {buf.device}, the cache on {base.device}")
+    for _layer, cache, layout, _items in jobs:
+        if cache.dtype != base.dtype or cache.device != base.device or layout != lay0:
+            raise CacheLayoutError("all layers of one call must share dtype, device and geometry")
+    return base, lay0
+
+
+class EncodePlan:
+    """Validated launches of the encode kernel for (layer, cache, layout, items) jobs: one launch
+    per distinct layer policy. ``launch()`` may be called repeatedly (and captured in a CUDA
+    graph): the per-chunk checksum scratch is reset by the kernel itself."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["EncodeItem"]]],
+        staging: torch.Tensor,
+        config: KernelConfig | None = None,
+    ) -> None:
+        cfg = config or DEFAULT_CONFIG
+        self.written: list[list[int]] = []
+        self._calls: list[tuple[tuple[int], tuple[Any, ...], dict[str, Any]]] = []
+        if not jobs:
+            return
+        base, lay0 = _check_jobs(codec, jobs, staging, "staging")
+        dim = codec.head_dim
+        lanes = cfg.lanes_for(dim, encode=True)
+        bt = cfg.tile_rows_for(dim, encode=True)
+        launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
+        spans: list[tuple[int, int, str]] = []
+        strides = None
+        for layer, cache, layout, items in jobs:
+            geom = _cache_geom(cache, layout, base)
+            if strides is not None and geom.strides != strides:
+                raise CacheLayoutError("all layers of one call must share cache strides")
+            strides = geom.strides
+            launch = launches.setdefault(_group_key(codec, layer), _Launch([], []))
+            sizes = []
+            for item in items:
+                ids = _block_list(item.block_ids)
+                _check_blocks(layout, ids, item.token_start, item.num_tokens)
+                if item.num_tokens > (1 << 16):
+                    raise GeometryError(f"a chunk holds at most 65536 tokens, got {item.num_tokens}")
+                if not 0 <= item.tag < 1 << 64:
+                    raise GeometryError("tag must fit in 64 unsigned bits")
+                nbytes, kbytes = _sizes(codec, layer, item.num_tokens, layout.num_heads,
+                                        item.token_start)
+                _check_range(staging, item.out_offset, nbytes, "staging")
+                spans.append((item.out_offset, item.out_offset + nbytes, "staging bytes"))
+                p = _pow2(item.num_tokens)
+                launch.max_tiles = max(launch.max_tiles, max(p // bt, 1))
+                launch.rows.append([
+                    geom.k_off, geom.v_off, item.token_start, item.num_tokens, p, item.out_offset,
+                    len(launch.blocks), item.tag & 0xFFFFFFFF, item.tag >> 32, layer,
+                    nbytes - HEADER_BYTES, kbytes,
+                ])
+                launch.blocks.extend(ids)
+                sizes.append(nbytes)
+            self.written.append(sizes)
+        _check_disjoint(spans)
+        assert strides is not None
+        device = base.device
+        tab = _tables(dim, device)
+        dtype_code = 1 if base.dtype == torch.bfloat16 else 2
+        sqrt_d = float(torch.tensor(math.sqrt(dim), dtype=torch.float32))
+        for (kspec, vspec), launch in launches.items():
+            n = len(launch.rows)
+            if n == 0:
+                continue
+            lv = max(launch.max_tiles, 1).bit_length() - 1
+            if lv > _MAX_LEVELS:
+                raise GeometryError("chunk too long for the Triton chunk-mean fold")
+            table = torch.tensor(launch.rows, dtype=torch.int64).to(device)
+            blocks = torch.tensor(launch.blocks or [0], dtype=torch.int32).to(device)
+            acc = torch.zeros(2 * n, dtype=torch.int32, device=device)
+            consts = {**_stream_consts(kspec, dim).prefixed("K"),
+                      **_stream_consts(vspec, dim).prefixed("V")}
+            args = (base, staging, table, blocks, tab, acc, strides[0], strides[1], strides[2],
+                    lay0.block_size, lay0.num_heads, codec.preset.preset_id, codec.num_layers,
+                    dtype_code)
+            kwargs = dict(
+                D=dim, L=lanes, BT=bt, LV=lv, **consts, QMODE=cfg.qmode, FP8_MANUAL=interpreting(),
+                SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1),
+                NUM_WARPS=cfg.num_warps, num_warps=cfg.num_warps, enable_fp_fusion=False,
+            )
+            self._calls.append(((n * 2 * lay0.num_heads,), args, kwargs))
+
+    def launch(self) -> None:
+        from turbowire.kernels import triton_codec as tk
+
+        for grid, args, kwargs in self._calls:
+            tk.encode_kernel[grid](*args, **kwargs)
+
+
+class DecodePlan:
+    """Validated verify + decode launches for (layer, cache, layout, items) jobs. ``launch()``
+    verifies every chunk (one launch), then decodes per layer policy; the decode kernel writes
+    nothing unless every chunk verified. ``check()`` reads the statuses back (the one host
+    synchronisation) and raises the reference's exception for the first refused chunk."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["DecodeItem"]]],
+        source: torch.Tensor,
+        config: KernelConfig | None = None,
+    ) -> None:
+        cfg = config or DEFAULT_CONFIG
+        self.codec = codec
+        self.source = source
+        self._calls: list[tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
+        self._refs: list[tuple[int, "DecodeItem", PagedKVLayout]] = []
+        self.status: torch.Tensor | None = None
+        self.fails: torch.Tensor | None = None
+        if not jobs:
+            return
+        base, lay0 = _check_jobs(codec, jobs, source, "source")
+        dim = codec.head_dim
+        lanes = cfg.lanes_for(dim, encode=False)
+        bt = cfg.tile_rows_for(dim, encode=False)
+        vw = cfg.verify_words
+        launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
+        all_rows: list[list[int]] = []
+        slot_spans: dict[int, list[tuple[int, int, str]]] = {}
+        strides = None
+        for layer, cache, layout, items in jobs:
+            geom = _cache_geom(cache, layout, base)
+            if strides is not None and geom.strides != strides:
+                raise CacheLayoutError("all layers of one call must share cache strides")
+            strides = geom.strides
+            launch = launches.setdefault(_group_key(codec, layer), _Launch([], []))
+            spans = slot_spans.setdefault(cache.data_ptr(), [])
+            for item in items:
+                if item.nbytes < HEADER_BYTES:
+                    raise TruncatedPayloadError(
+                        f"payload has {item.nbytes} bytes, a chunk header alone has {HEADER_BYTES}"
+                    )
+                _check_range(source, item.in_offset, item.nbytes, "source")
+                ids = _block_list(item.block_ids)
+                _check_blocks(layout, ids, item.token_start, item.num_tokens)
+                spans.extend(_slot_spans(layout, ids, item.token_start, item.num_tokens))
+                if not 0 < item.num_tokens <= (1 << 16):
+                    raise GeometryError(f"a chunk holds 1..65536 tokens, got {item.num_tokens}")
+                tag = item.expected_tag
+                if tag is not None and not 0 <= tag < 1 << 64:
+                    raise GeometryError("expected_tag must fit in 64 unsigned bits")
+                nbytes, kbytes = _sizes(codec, layer, item.num_tokens, layout.num_heads,
+                                        item.token_start)
+                body = nbytes - HEADER_BYTES
+                row = [
+                    geom.k_off, geom.v_off, item.token_start, item.num_tokens, item.in_offset,
+                    item.nbytes, len(launch.blocks), (tag or 0) & 0xFFFFFFFF, (tag or 0) >> 32,
+                    int(tag is not None), layer, body, kbytes, max(1, -(-(body // 4) // vw)),
+                ]
+                launch.rows.append(row)
+                launch.blocks.extend(ids)
+                all_rows.append(row)
+                self._refs.append((layer, item, layout))
+        for spans in slot_spans.values():
+            _check_disjoint(spans)
+        if not all_rows:
+            return
+        assert strides is not None
+        device = base.device
+        tab = _tables(dim, device)
+        n_all = len(all_rows)
+        vtable = torch.tensor(all_rows, dtype=torch.int64).to(device)
+        acc = torch.zeros(2 * n_all, dtype=torch.int32, device=device)
+        self.status = torch.zeros(n_all, dtype=torch.int32, device=device)
+        self.fails = torch.zeros(1, dtype=torch.int32, device=device)
+        from turbowire.kernels import triton_codec as tk
+
+        max_split = max(r[-1] for r in all_rows)
+        self._calls.append((
+            tk.verify_kernel, (n_all, max_split),
+            (source, vtable, acc, self.status, self.fails, lay0.num_heads,
+             codec.preset.preset_id, codec.num_layers),
+            dict(D=dim, BLOCKW=vw, num_warps=4),
+        ))
+        for (kspec, vspec), launch in launches.items():
+            n = len(launch.rows)
+            if n == 0:
+                continue
+            table = torch.tensor(launch.rows, dtype=torch.int64).to(device)
+            blocks = torch.tensor(launch.blocks or [0], dtype=torch.int32).to(device)
+            consts = {**_stream_consts(kspec, dim).prefixed("K"),
+                      **_stream_consts(vspec, dim).prefixed("V")}
+            self._calls.append((
+                tk.decode_kernel, (n * 2 * lay0.num_heads,),
+                (base, source, table, blocks, tab, self.fails, strides[0], strides[1], strides[2],
+                 lay0.block_size, lay0.num_heads),
+                dict(D=dim, L=lanes, BT=bt, **consts, MANUAL=interpreting(),
+                     S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), num_warps=cfg.num_warps,
+                     enable_fp_fusion=False),
+            ))
+
+    def launch(self) -> None:
+        if self.fails is None:
+            return
+        self.fails.zero_()
+        for kernel, grid, args, kwargs in self._calls:
+            kernel[grid](*args, **kwargs)
+
+    def check(self) -> None:
+        if self.fails is None or self.status is None:
+            return
+        st = torch.cat([self.status, self.fails]).cpu()  # the one host synchronisation
+        n = self.status.numel()
+        if int(st[n]) == 0:
+            return
+        i = next(j for j in range(n) if int(st[j]) != 0)
+        layer, item, layout = self._refs[i]
+        _raise_like_reference(self.codec, layer, item, layout, self.source, int(st[i]))
+
+
+# ------------------------------------------------------------------------------------------
+# entry points (same contract as the reference dispatch)
+# ------------------------------------------------------------------------------------------
+def encode_into(
+    codec: Codec,
+    layer: int,
+    kv_cache: torch.Tensor,
+    layout: PagedKVLayout,
+    items: Sequence["EncodeItem"],
+    staging: torch.Tensor,
+    config: KernelConfig | None = None,
+) -> list[int]:
+    """Encode items of one layer into ``staging``; bytes written per item."""
+    return encode_layers_into(codec, [(layer, kv_cache, layout, items)], staging, config)[0]
+
+
+def encode_layers_into(
+    codec: Codec,
+    jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["EncodeItem"]]],
+    staging: torch.Tensor,
+    config: KernelConfig | None = None,
+) -> list[list[int]]:
+    """Encode (layer, cache, layout, items) jobs with one launch per distinct layer policy.
+
+    All caches must share dtype, geometry and strides (one model); returns bytes per item."""
+    plan = EncodePlan(codec, jobs, staging, config)
+    plan.launch()
+    return plan.written
+
+
+def decode_into(
+    codec: Codec,
+    layer: int,
+    kv_cache: torch.Tensor,
+    layout: PagedKVLayout,
+    items: Sequence["DecodeItem"],
+    source: torch.Tensor,
+    config: KernelConfig | None = None,
+) -> None:
+    """Verify every chunk, then decode and scatter them; nothing is written if any fails."""
+    decode_layers_into(codec, [(layer, kv_cache, layout, items)], source, config)
+
+
+def decode_layers_into(
+    codec: Codec,
+    jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["DecodeItem"]]],
+    source: torch.Tensor,
+    config: KernelConfig | None = None,
+) -> None:
+    """Decode (layer, cache, layout, items) jobs: one verify launch for all chunks, then one
+    decode launch per distinct layer policy; raises the reference's exception for the first
+    chunk that fails verification (nothing is written then)."""
+    plan = DecodePlan(codec, jobs, source, config)
+    plan.launch()
+    plan.check()
+
+
+def _raise_like_reference(
+    codec: Codec, layer: int, item: "DecodeItem", layout: PagedKVLayout, source: torch.Tensor,
+    code: int,
+) -> None:
+    """Re-check a chunk the GPU refused with the reference decoder to raise its exception."""
+    data = source[item.in_offset : item.in_offset + item.nbytes].cpu()
+    k, _v = codec.decode(
+        layer, data, expected_tag=item.expected_tag, expected_tokens=item.num_tokens,
+        expected_offset=item.token_start,
+    )
+    if k.shape[1:] != (layout.num_heads, layout.head_dim):
+        raise CacheLayoutError(
+            f"scatter of {tuple(k.shape)} into a cache of {layout.num_heads} heads x "
+            f"{layout.head_dim}"
+        )
+    raise ChecksumError(  # the reference accepted what the kernel refused: a kernel bug
+        f"chunk at source offset {item.in_offset} failed GPU verification (status {code:#x}) "
+        "but the reference decoder accepts it"
+    )

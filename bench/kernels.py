@@ -1,0 +1,512 @@
+"""Triton codec kernels on a CUDA GPU: bit-exactness against the reference, then throughput.
+
+Run on the GPU machine (``make bench-kernels`` or ``python3 bench/kernels.py --out DIR``):
+
+1. Correctness, each configuration in its own process (a faulting kernel cannot poison the rest;
+   the processes also compile the kernels in parallel): for every preset x head_dim 64/128/256 x
+   cache layout LBNHC/LBHNC (+ fp16 caches), chunks encoded by the Triton kernels must be
+   byte-identical to the reference codec run on the same GPU, and caches decoded by the kernels
+   must equal the reference decode (bitwise), with every other slot untouched.
+2. Throughput on KV shaped like Llama-3.1-8B (32 layers, 8 KV heads, hd128) and SmolLM2-135M
+   (30 layers, 3 KV heads, hd64): 4096 tokens, bf16, block size 16, chunks of 256 tokens, block
+   ids shuffled. Encode and decode of all layers, per layer as the connector calls them (one
+   launch per layer) and batched (one launch per layer policy), with bytes counted as
+   (read + written) / time against a device-to-device copy and the paged gather of the same
+   blocks measured in the same run.
+
+Prints Markdown tables; writes results.json, results.md and log files under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import types
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if os.environ.get("TW_BENCH_SMOKE") == "1":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+
+
+def bootstrap() -> None:
+    """Make turbowire.codec / turbowire.kernels importable from a bare source tree."""
+    try:
+        import turbowire.kernels  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    pkg = types.ModuleType("turbowire")
+    pkg.__path__ = [str(ROOT / "turbowire")]  # type: ignore[attr-defined]
+    sys.modules["turbowire"] = pkg
+    for name in ("codec", "kernels"):
+        spec = importlib.util.spec_from_file_location(
+            f"turbowire.{name}", ROOT / name / "__init__.py",
+            submodule_search_locations=[str(ROOT / name)],
+        )
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        setattr(pkg, name, mod)
+        spec.loader.exec_module(mod)
+
+
+bootstrap()
+
+import torch  # noqa: E402
+
+from turbowire.codec import Codec, list_presets  # noqa: E402
+from turbowire.kernels import (  # noqa: E402
+    DecodeItem,
+    EncodeItem,
+    PagedKVLayout,
+    decode_into,
+    encode_into,
+)
+from turbowire.kernels.triton_dispatch import (  # noqa: E402
+    DecodePlan,
+    EncodePlan,
+    KernelConfig,
+)
+
+MODELS = {
+    "Llama-3.1-8B": dict(layers=32, heads=8, dim=128),
+    "SmolLM2-135M": dict(layers=30, heads=3, dim=64),
+}
+TOKENS = 4096
+BLOCK = 16
+CHUNK = 256
+DEVICE = "cuda"
+SMOKE = os.environ.get("TW_BENCH_SMOKE") == "1"  # CPU + Triton interpreter, tiny shapes
+if SMOKE:
+    DEVICE = "cpu"
+    MODELS = {"Llama-3.1-8B": dict(layers=2, heads=2, dim=128), "SmolLM2-135M": dict(layers=2, heads=3, dim=64)}
+    TOKENS = 64
+    CHUNK = 32
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------
+# caches and items
+# ------------------------------------------------------------------------------------------
+def make_caches(layers: int, heads: int, dim: int, num_blocks: int, layout: str,
+                dtype: torch.dtype, device: str, fill: float | None = None, seed: int = 0):
+    """One allocation for all layers, per-layer views as vLLM hands them to connectors."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    if layout == "LBNHC":
+        shape = (layers, 2, num_blocks, BLOCK, heads, dim)
+    else:
+        shape = (layers, 2, num_blocks, heads, BLOCK, dim)
+    if fill is None:
+        big = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+        big = big * 1.5 + torch.linspace(-2, 2, dim, device=device)  # channel offsets (K-like)
+        big[..., 3] *= 6.0  # an outlier channel
+        big = big.to(dtype)
+    else:
+        big = torch.full(shape, fill, device=device, dtype=dtype)
+    views = [big[i] if layout == "LBNHC" else big[i].permute(0, 1, 3, 2, 4) for i in range(layers)]
+    return big, views
+
+
+def make_items(codec: Codec, layers: int, heads: int, block_ids: list[int],
+               chunks: list[tuple[int, int]], align: int = 64):
+    """Encode items per layer (layer-major staging offsets) and the total staging size."""
+    enc: list[list[EncodeItem]] = []
+    off = 0
+    for layer in range(layers):
+        row = []
+        for start, n in chunks:
+            row.append(EncodeItem(block_ids, start, n, off, tag=(layer << 20) + start + 1))
+            size = codec.encoded_nbytes(layer, n, heads, start)
+            off += (size + align - 1) // align * align
+        enc.append(row)
+    return enc, off
+
+
+def decode_items(enc: list[list[EncodeItem]], written: list[list[int]], block_ids: list[int]):
+    return [
+        [DecodeItem(block_ids, it.token_start, it.num_tokens, it.out_offset, n, it.tag)
+         for it, n in zip(row, sizes)]
+        for row, sizes in zip(enc, written)
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# 1. correctness (one process per configuration)
+# ------------------------------------------------------------------------------------------
+@dataclass
+class CheckCase:
+    preset: str
+    dim: int
+    heads: int
+    layout: str
+    dtype: str = "bfloat16"
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        extra = ",".join(f"{k}={v}" for k, v in self.config.items())
+        return f"{self.preset} hd{self.dim} H{self.heads} {self.layout} {self.dtype} {extra}".strip()
+
+
+def run_check(case: CheckCase) -> dict[str, Any]:
+    """Encode/decode a few chunks with the kernels and the reference on the GPU; compare."""
+    t0 = time.time()
+    out: dict[str, Any] = {"case": case.name, **asdict(case)}
+    try:
+        dtype = getattr(torch, case.dtype)
+        cfg = KernelConfig(**case.config)
+        layers = 2
+        nb = 40
+        big, caches = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, seed=7)
+        layout = PagedKVLayout.from_cache(caches[0])
+        codec = Codec(case.preset, case.dim, layers)
+        gen = torch.Generator().manual_seed(5)
+        src_ids = torch.randperm(nb, generator=gen)[:24].tolist()
+        dst_ids = torch.randperm(nb, generator=gen)[:24].tolist()
+        # sequence start (sink row), partial blocks, a chunk not starting at a block boundary
+        chunks = [(0, 40), (40, 9)] if SMOKE else [(0, 256), (256, 100), (356, 17)]
+        ntok = chunks[-1][0] + chunks[-1][1]
+        enc, total = make_items(codec, layers, case.heads, src_ids, chunks)
+        ref = torch.zeros(total, dtype=torch.uint8, device=DEVICE)
+        tri = torch.full((total,), 0xA5, dtype=torch.uint8, device=DEVICE)
+        for layer in range(layers):
+            encode_into(codec, layer, caches[layer], layout, enc[layer], ref, impl="reference")
+        t1 = time.time()
+        written = EncodePlan(codec, [(i, caches[i], layout, enc[i]) for i in range(layers)], tri, cfg)
+        written.launch()
+        sync()
+        out["compile_encode_s"] = round(time.time() - t1, 2)
+        bad = []
+        for layer in range(layers):
+            for it, n in zip(enc[layer], written.written[layer]):
+                a = ref[it.out_offset : it.out_offset + n]
+                b = tri[it.out_offset : it.out_offset + n]
+                if not torch.equal(a, b):
+                    diff = (a != b).nonzero().flatten()
+                    bad.append(f"layer {layer} chunk@{it.token_start}: {diff.numel()} bytes differ, "
+                               f"first at {int(diff[0])}/{n}")
+        out["encode_bitexact"] = not bad
+        out["encode_mismatch"] = bad[:4]
+        dec = decode_items(enc, written.written, dst_ids)
+        _, dst_ref = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
+        big_tri, dst_tri = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
+        for layer in range(layers):
+            decode_into(codec, layer, dst_ref[layer], layout, dec[layer], ref, impl="reference")
+        t2 = time.time()
+        plan = DecodePlan(codec, [(i, dst_tri[i], layout, dec[i]) for i in range(layers)], tri, cfg)
+        plan.launch()
+        plan.check()
+        sync()
+        out["compile_decode_s"] = round(time.time() - t2, 2)
+        same = all(torch.equal(a, b) for a, b in zip(dst_ref, dst_tri))
+        out["decode_bitexact"] = same
+        if not same:
+            d = max(float((a.float() - b.float()).abs().max()) for a, b in zip(dst_ref, dst_tri))
+            n = sum(int((a != b).sum()) for a, b in zip(dst_ref, dst_tri))
+            out["decode_max_abs_diff"] = d
+            out["decode_elems_differ"] = n
+        # untouched slots keep the guard
+        k, v = layout.views(dst_tri[0])
+        touched = torch.zeros(nb, BLOCK, dtype=torch.bool, device=DEVICE)
+        for t in range(ntok):
+            touched[dst_ids[t // BLOCK], t % BLOCK] = True
+        out["guard_intact"] = bool((k[~touched] == 7.0).all()) and bool((v[~touched] == 7.0).all())
+        # a corrupted chunk is refused and nothing is written
+        tri[dec[1][1].in_offset + 200] ^= 0x40
+        _, dst_bad = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
+        try:
+            p = DecodePlan(codec, [(i, dst_bad[i], layout, dec[i]) for i in range(layers)], tri, cfg)
+            p.launch()
+            p.check()
+            out["corruption_refused"] = False
+        except Exception as exc:  # noqa: BLE001 - the type is reported
+            out["corruption_refused"] = type(exc).__name__
+        out["corruption_wrote_nothing"] = all(bool((c == 7.0).all()) for c in dst_bad)
+        out["ok"] = bool(out["encode_bitexact"] and out["decode_bitexact"] and out["guard_intact"]
+                         and out["corruption_refused"] and out["corruption_wrote_nothing"])
+    except Exception as exc:  # noqa: BLE001
+        out["ok"] = False
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()[-3000:]
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+def check_cases() -> list[CheckCase]:
+    if SMOKE:
+        return [CheckCase("tq4", 64, 2, "LBNHC"), CheckCase("k8v4", 128, 2, "LBHNC", "float16")]
+    cases = []
+    for preset in list_presets():
+        for dim, heads in ((128, 8), (64, 3), (256, 2)):
+            for layout in ("LBNHC", "LBHNC"):
+                cases.append(CheckCase(preset, dim, heads, layout))
+    for preset in ("k8v4", "tq4", "k3v2"):
+        cases.append(CheckCase(preset, 128, 8, "LBNHC", "float16"))
+    return cases
+
+
+SWEEP = [  # launch shapes tried on hd128 (tq4 and tq3), H8, LBNHC
+    dict(lanes=1, decode_lanes=1),
+    dict(lanes=2, decode_lanes=2),
+    dict(lanes=4, decode_lanes=2),
+    dict(lanes=2, decode_lanes=1, num_warps=8),
+    dict(lanes=2, decode_lanes=1, qmode=0),
+]
+
+
+# ------------------------------------------------------------------------------------------
+# 2. throughput
+# ------------------------------------------------------------------------------------------
+def bench_ms(fn: Callable[[], None]) -> float:
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_baselines(dense_bytes: int) -> dict[str, float]:
+    src = torch.empty(dense_bytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return {"copy_ms": ms, "copy_GBps": 2 * dense_bytes / ms / 1e6}
+
+
+def run_model(name: str, geom: dict[str, int], presets: list[str], layout: str,
+              cfg: KernelConfig, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    layers, heads, dim = geom["layers"], geom["heads"], geom["dim"]
+    nblocks_req = TOKENS // BLOCK
+    nb = nblocks_req + 64
+    big, caches = make_caches(layers, heads, dim, nb, layout, torch.bfloat16, DEVICE, seed=1)
+    big_dst, dst = make_caches(layers, heads, dim, nb, layout, torch.bfloat16, DEVICE, fill=0.0)
+    layout_obj = PagedKVLayout.from_cache(caches[0])
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randperm(nb, generator=gen)[:nblocks_req].tolist()
+    dids = torch.randperm(nb, generator=gen)[:nblocks_req].tolist()
+    dense = layers * TOKENS * heads * dim * 2 * 2
+    base = copy_baselines(dense)
+    # the paged gather of the same blocks (all layers, K and V) into a contiguous buffer
+    rows = big.view(layers * 2 * nb, -1)
+    gidx = torch.tensor([(l * 2 + kv) * nb + b for l in range(layers) for kv in range(2) for b in ids],
+                        device=DEVICE)
+    gout = torch.empty(gidx.numel(), rows.shape[1], dtype=rows.dtype, device=DEVICE)
+    gather_ms = bench_ms(lambda: torch.index_select(rows, 0, gidx, out=gout))
+    base["gather_ms"] = gather_ms
+    base["gather_GBps"] = 2 * dense / gather_ms / 1e6
+    log(f"{name} {layout}: dense {dense / 1e6:.1f} MB; copy {base['copy_GBps']:.0f} GB/s, "
+        f"paged gather {base['gather_GBps']:.0f} GB/s")
+    results = []
+    chunks = [(c, CHUNK) for c in range(0, TOKENS, CHUNK)]
+    for preset in presets:
+        codec = Codec(preset, dim, layers)
+        enc, total = make_items(codec, layers, heads, ids, chunks)
+        staging = torch.zeros(total, dtype=torch.uint8, device=DEVICE)
+        jobs = [(i, caches[i], layout_obj, enc[i]) for i in range(layers)]
+        batched = EncodePlan(codec, jobs, staging, cfg)
+        per_layer = [EncodePlan(codec, [job], staging, cfg) for job in jobs]
+        batched.launch()
+        sync()
+        comp = sum(sum(w) for w in batched.written)
+        dec = decode_items(enc, batched.written, dids)
+        djobs = [(i, dst[i], layout_obj, dec[i]) for i in range(layers)]
+        dbatched = DecodePlan(codec, djobs, staging, cfg)
+        dper_layer = [DecodePlan(codec, [job], staging, cfg) for job in djobs]
+        dbatched.launch()
+        dbatched.check()
+        r: dict[str, Any] = {"model": name, "layout": layout, "preset": preset,
+                             "dense_MB": dense / 1e6, "wire_MB": comp / 1e6, "ratio": dense / comp}
+        r["enc_batched_ms"] = bench_ms(batched.launch)
+        r["enc_layer_ms"] = bench_ms(lambda: [p.launch() for p in per_layer])
+        r["dec_batched_ms"] = bench_ms(dbatched.launch)
+        r["dec_layer_ms"] = bench_ms(lambda: [p.launch() for p in dper_layer])
+        # the full API per layer (host validation and tables included), as the connector calls it
+        r["enc_api_ms"] = bench_ms(lambda: [
+            encode_into(codec, i, caches[i], layout_obj, enc[i], staging) for i in range(layers)])
+        # CUDA graph of the per-layer launches
+        try:
+            if SMOKE:
+                raise RuntimeError("no CUDA graphs on CPU")
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for p in per_layer:
+                    p.launch()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(g, stream=s):
+                    for p in per_layer:
+                        p.launch()
+            torch.cuda.current_stream().wait_stream(s)
+            r["enc_graph_ms"] = bench_ms(g.replay)
+        except Exception as exc:  # noqa: BLE001
+            r["enc_graph_ms"] = None
+            log(f"  cuda graph capture failed: {type(exc).__name__}: {exc}")
+        for k in ("enc_batched", "enc_layer", "dec_batched", "dec_layer", "enc_api", "enc_graph"):
+            ms = r.get(f"{k}_ms")
+            if ms:
+                r[f"{k}_eff_GBps"] = (dense + comp) / ms / 1e6
+                r[f"{k}_dense_GBps"] = dense / ms / 1e6
+                r[f"{k}_vs_copy"] = r[f"{k}_eff_GBps"] / base["copy_GBps"]
+        r.update(base)
+        results.append(r)
+        log(f"  {preset:5s} x{r['ratio']:.2f} enc {r['enc_batched_ms']:.3f} ms "
+            f"({r['enc_batched_eff_GBps']:.0f} GB/s, {100 * r['enc_batched_vs_copy']:.0f}% of copy) "
+            f"per-layer {r['enc_layer_ms']:.3f} ms | dec {r['dec_batched_ms']:.3f} ms "
+            f"({r['dec_batched_eff_GBps']:.0f} GB/s, {100 * r['dec_batched_vs_copy']:.0f}%) "
+            f"per-layer {r['dec_layer_ms']:.3f} ms | api {r['enc_api_ms']:.2f} ms")
+    del big, big_dst
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = ("| model | layout | preset | ratio | encode ms | enc GB/s eff | enc dense GB/s | enc % copy "
+            "| enc per-layer ms | enc graph ms | decode ms | dec GB/s eff | dec dense GB/s | dec % copy "
+            "| dec per-layer ms | api enc ms |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        g = r.get("enc_graph_ms")
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['preset']} | {r['ratio']:.2f} | {r['enc_batched_ms']:.3f} "
+            f"| {r['enc_batched_eff_GBps']:.0f} | {r['enc_batched_dense_GBps']:.0f} "
+            f"| {100 * r['enc_batched_vs_copy']:.0f}% | {r['enc_layer_ms']:.3f} | "
+            f"{'%.3f' % g if g else '-'} | {r['dec_batched_ms']:.3f} | {r['dec_batched_eff_GBps']:.0f} "
+            f"| {r['dec_batched_dense_GBps']:.0f} | {100 * r['dec_batched_vs_copy']:.0f}% "
+            f"| {r['dec_layer_ms']:.3f} | {r['enc_api_ms']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results/kernels")))
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--presets", default=",".join(list_presets()))
+    ap.add_argument("--layouts", default="LBNHC,LBHNC")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logf = open(args.out / "log.txt", "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    import triton
+
+    if SMOKE:
+        env = {"gpu": "cpu (Triton interpreter smoke run)", "sms": 0}
+    else:
+        props = torch.cuda.get_device_properties(0)
+        env = {"gpu": props.name, "sms": props.multi_processor_count}
+    env.update({"torch": torch.__version__, "triton": triton.__version__,
+                "cuda": torch.version.cuda, "python": sys.version.split()[0],
+                "command": " ".join(sys.argv)})
+    log(json.dumps(env))
+    report: dict[str, Any] = {"env": env}
+    t0 = time.time()
+    # 1. correctness + parallel compilation, one process per configuration
+    cases = [] if args.skip_check else check_cases()
+    if not args.skip_sweep:
+        for preset in ("tq4", "tq3"):
+            for c in SWEEP:
+                cases.append(CheckCase(preset, 128, 8, "LBNHC", config=c))
+        cases.append(CheckCase("tq4", 128, 8, "LBNHC", config=dict(lanes=2, decode_lanes=1)))
+    checks = []
+    first = [c for c in cases if c.layout == "LBNHC"]
+    waves = [first, [c for c in cases if c.layout != "LBNHC"]]  # 2nd wave: compiled kernels reused
+    ctx = __import__("multiprocessing").get_context("spawn")
+    for wave in waves:
+        if not wave:
+            continue
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as ex:
+            futs = {ex.submit(run_check, c): c for c in wave}
+            for f in as_completed(futs):
+                try:
+                    r = f.result()
+                except Exception as exc:  # noqa: BLE001 - a crashed worker
+                    r = {"case": futs[f].name, "ok": False, "error": f"worker died: {exc}"}
+                checks.append(r)
+                flag = "OK  " if r.get("ok") else "FAIL"
+                log(f"[check {len(checks)}/{len(cases)} {time.time() - t0:5.0f}s] {flag} {r['case']} "
+                    f"enc={r.get('encode_bitexact')} dec={r.get('decode_bitexact')} "
+                    f"guard={r.get('guard_intact')} corrupt={r.get('corruption_refused')} "
+                    f"({r.get('seconds')}s) {r.get('error', '')}")
+                if r.get("traceback"):
+                    logf.write(r["traceback"] + "\n")
+    n_ok = sum(1 for r in checks if r.get("ok"))
+    log(f"correctness: {n_ok}/{len(checks)} configurations bit-exact ({time.time() - t0:.0f}s)")
+    report["checks"] = checks
+    (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    # 2. sweep of launch shapes on hd128 (kernels compiled above)
+    cfg = KernelConfig()
+    sweep = []
+    if not args.skip_sweep:
+        for c in SWEEP + [dict(lanes=2, decode_lanes=1)]:
+            try:
+                res = run_model("Llama-3.1-8B", MODELS["Llama-3.1-8B"], ["tq4", "tq3"], "LBNHC",
+                                KernelConfig(**c), lambda m: None)
+                for r in res:
+                    r["config"] = c
+                    sweep.append(r)
+                    log(f"sweep {c}: {r['preset']} enc {r['enc_batched_ms']:.3f} ms "
+                        f"({100 * r['enc_batched_vs_copy']:.0f}%) dec {r['dec_batched_ms']:.3f} ms "
+                        f"({100 * r['dec_batched_vs_copy']:.0f}%)")
+            except Exception as exc:  # noqa: BLE001
+                log(f"sweep {c} failed: {type(exc).__name__}: {exc}")
+    report["sweep"] = sweep
+    # 3. the table
+    results = []
+    for name, geom in MODELS.items():
+        for layout in args.layouts.split(","):
+            presets = args.presets.split(",") if layout == "LBNHC" else ["tq4", "tq3"]
+            try:
+                results += run_model(name, geom, presets, layout, cfg, log)
+            except Exception as exc:  # noqa: BLE001
+                log(f"{name} {layout} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    report["results"] = results
+    # 4. head_dim 256: one 256-wide transform vs two 128-wide groups (same bytes), throughput only
+    hd = []
+    nl = 1 if SMOKE else 8
+    for name, geom in (("hd256 x4 heads", dict(layers=nl, heads=4, dim=256)),
+                       ("hd128 x8 heads (2x128 groups)", dict(layers=nl, heads=8, dim=128))):
+        try:
+            hd += run_model(name, geom, ["tq4", "tq3"], "LBNHC", cfg, log)
+        except Exception as exc:  # noqa: BLE001
+            log(f"{name} failed: {type(exc).__name__}: {exc}")
+    report["hd256"] = hd
+    md = ["## Kernels (H200)", "", f"`{env['command']}` on {env['gpu']} ({env['sms']} SMs), torch "
+          f"{env['torch']}, triton {env['triton']}, CUDA {env['cuda']}", "",
+          table(results), "", "### head_dim 256 vs two 128 groups", "", table(hd)]
+    if sweep:
+        md += ["", "### launch shapes (hd128)", "", table(sweep)]
+    (args.out / "results.md").write_text("\n".join(md) + "\n")
+    (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    log("\n".join(md))
+    log(f"total {time.time() - t0:.0f}s")
+    return 0 if all(r.get("ok") for r in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

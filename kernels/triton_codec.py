@@ -1,0 +1,1116 @@
+"""Triton kernels of the codec fused with vLLM's paged KV layouts (encode, verify, decode).
+
+Every kernel program owns one (chunk, stream, KV head) and walks the chunk's tokens in tiles of
+``BT`` rows; each row (one token's vector of one head) lives in ONE thread (``L`` = 1) or in ``L``
+neighbouring lanes (head_dim 256), loaded straight from the paged cache through the block table.
+With a whole row in registers the randomized Hadamard butterfly, the pairwise norm folds and the
+bit-plane packing are register-only work: no shared memory, no shuffles (except the one or two
+top butterfly stages when ``L`` > 1).
+
+Bit-exactness with ``turbowire.codec`` rests on doing the reference's fp32 operations in the
+same order (FORMAT.md "Encode numerics"): the butterfly stages h = 1, 2, 4, ... (a recursive split
+on the lowest coordinate bit does exactly that), adjacent-pair folds for the norms, the token
+fold of the chunk mean as a binary tree over aligned tiles, IEEE division and square root
+(``tl.div_rn`` / ``tl.sqrt_rn``), and kernels compiled with ``enable_fp_fusion=False`` so no
+multiply-add is contracted. Decoding follows the reference's operation order as well, so decoded
+values are bit-identical too.
+
+Checksums: each program adds the wsum32 contribution of every byte it writes (the checksum is
+linear, so the pieces can be summed in any order mod 2**32) into a per-chunk accumulator; the
+last program of a chunk (an acq_rel counter) writes the 48-byte header with both checksums.
+The verify kernel recomputes body checksums and checks each header against what the decoder
+expects; the decode kernel writes nothing unless every chunk of the launch verified.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+KIND_RAW = 0
+KIND_FP8 = 1
+KIND_LLOYD = 2
+
+# Item table columns (int64). Host code indexes with the plain ints of ENCODE_FIELDS /
+# DECODE_FIELDS; kernels read the tl.constexpr copies below.
+ENCODE_FIELDS = ("koff", "voff", "start", "tokens", "pow2", "out", "blk", "tag_lo", "tag_hi",
+                 "layer", "body", "kbytes")
+DECODE_FIELDS = ("koff", "voff", "start", "tokens", "in", "nbytes", "blk", "tag_lo", "tag_hi",
+                 "has_tag", "layer", "body", "kbytes", "nsplit")
+E_KOFF = tl.constexpr(0)
+E_VOFF = tl.constexpr(1)
+E_START = tl.constexpr(2)
+E_T = tl.constexpr(3)
+E_P = tl.constexpr(4)
+E_OUT = tl.constexpr(5)
+E_BLK = tl.constexpr(6)
+E_TAGLO = tl.constexpr(7)
+E_TAGHI = tl.constexpr(8)
+E_LAYER = tl.constexpr(9)
+E_BODY = tl.constexpr(10)
+E_KBYTES = tl.constexpr(11)
+E_FIELDS = tl.constexpr(len(ENCODE_FIELDS))
+D_KOFF = tl.constexpr(0)
+D_VOFF = tl.constexpr(1)
+D_START = tl.constexpr(2)
+D_T = tl.constexpr(3)
+D_IN = tl.constexpr(4)
+D_NBYTES = tl.constexpr(5)
+D_BLK = tl.constexpr(6)
+D_TAGLO = tl.constexpr(7)
+D_TAGHI = tl.constexpr(8)
+D_HASTAG = tl.constexpr(9)
+D_LAYER = tl.constexpr(10)
+D_BODY = tl.constexpr(11)
+D_KBYTES = tl.constexpr(12)
+D_NSPLIT = tl.constexpr(13)
+D_FIELDS = tl.constexpr(len(DECODE_FIELDS))
+
+# verify status bits (a failing chunk is re-checked by the reference on the host for the message)
+ST_FORMAT = 1
+ST_HEADER_CHECKSUM = 2
+ST_INCOMPATIBLE = 4
+ST_TRUNCATED = 8
+ST_BODY_CHECKSUM = 16
+
+MAGIC_WORD = tl.constexpr(0x564B5754)  # b"TWKV" little-endian
+
+
+def table_offset(head_dim: int, bits: int) -> int:
+    """Start of the ``bits``-bit codebook block in the fp32 table (after the two sign tables)."""
+    return 2 * head_dim + 3 * ((1 << bits) - 2)
+
+
+# ------------------------------------------------------------------------------------------
+# small helpers
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+@triton.jit
+def _sign_leaf(x, MASK: tl.constexpr, IDX: tl.constexpr, L: tl.constexpr, C: tl.constexpr):
+    """x [L, BT, 1] times the sign of coordinate l*C + IDX (MASK bit set: -1). The signs are
+    compile-time constants: a negation (folded into the next add) or nothing; only when the
+    lanes of a row disagree (L > 1) does a per-lane factor remain."""
+    S0: tl.constexpr = (MASK >> IDX) & 1
+    if L == 1:
+        if S0 == 1:
+            return -x
+        else:
+            return x
+    else:
+        ln = tl.arange(0, L)[:, None, None]
+        S1: tl.constexpr = (MASK >> (C + IDX)) & 1
+        if L == 2:
+            g = tl.where(ln == 0, 1.0 - 2.0 * S0, 1.0 - 2.0 * S1)
+        else:
+            S2: tl.constexpr = (MASK >> (2 * C + IDX)) & 1
+            S3: tl.constexpr = (MASK >> (3 * C + IDX)) & 1
+            g = tl.where(ln == 0, 1.0 - 2.0 * S0, tl.where(ln == 1, 1.0 - 2.0 * S1,
+                         tl.where(ln == 2, 1.0 - 2.0 * S2, 1.0 - 2.0 * S3)))
+        return x * g
+
+
+@triton.jit
+def _signs(x, MASK: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, N: tl.constexpr,
+           IDX: tl.constexpr, STEP: tl.constexpr, C: tl.constexpr):
+    """x [L, BT, N] (element j = coordinate IDX + j*STEP of each lane) times the sign table."""
+    if N == 1:
+        return _sign_leaf(x, MASK, IDX, L, C)
+    else:
+        a, b = tl.split(tl.reshape(x, [L, BT, N // 2, 2]))
+        a = _signs(a, MASK, L, BT, N // 2, IDX, STEP * 2, C)
+        b = _signs(b, MASK, L, BT, N // 2, IDX + STEP, STEP * 2, C)
+        return tl.reshape(tl.join(a, b), [L, BT, N])
+
+
+@triton.jit
+def _fwht_rows(x, L: tl.constexpr, BT: tl.constexpr, N: tl.constexpr, IDX: tl.constexpr,
+               STEP: tl.constexpr, C: tl.constexpr, MASK: tl.constexpr, SIGN: tl.constexpr):
+    """Butterfly stages h = 1, 2, ..., N/2 over the last dim of x [L, BT, N] (in-thread).
+
+    Splitting on the lowest coordinate bit gives stage h = 1 as (a + b, a - b); the rest of the
+    transform acts on the halves independently (their lowest bit is the next coordinate bit).
+    SIGN: multiply the outputs by the sign table MASK on the way out (at the leaves)."""
+    if N == 1:
+        if SIGN:
+            return _sign_leaf(x, MASK, IDX, L, C)
+        else:
+            return x
+    else:
+        a, b = tl.split(tl.reshape(x, [L, BT, N // 2, 2]))
+        lo = _fwht_rows(a + b, L, BT, N // 2, IDX, STEP * 2, C, MASK, SIGN)
+        hi = _fwht_rows(a - b, L, BT, N // 2, IDX + STEP, STEP * 2, C, MASK, SIGN)
+        return tl.reshape(tl.join(lo, hi), [L, BT, N])
+
+
+@triton.jit
+def _rotate(x, MASK_IN: tl.constexpr, MASK_OUT: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
+            C: tl.constexpr):
+    """s_out * FWHT(s_in * x) over the D = L*C coordinates of each row of x [L, BT, C]."""
+    y = _signs(x, MASK_IN, L, BT, C, 0, 1, C)
+    if L == 1:
+        return _fwht_rows(y, L, BT, C, 0, 1, C, MASK_OUT, True)
+    else:
+        y = _fwht_lanes(_fwht_rows(y, L, BT, C, 0, 1, C, MASK_OUT, False), L, BT, C, 1)
+        return _signs(y, MASK_OUT, L, BT, C, 0, 1, C)
+
+
+@triton.jit
+def _fwht_lanes(x, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, G: tl.constexpr):
+    """Butterfly stages across the L lanes of a row (coordinate bits above log2(C)), G = 1, 2.."""
+    if G >= L:
+        return x
+    else:
+        y = tl.reshape(x, [L // (2 * G), 2, G, BT, C])
+        pm = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :, None, None, None]
+        s = tl.sum(y, axis=1)
+        d = tl.sum(y * pm, axis=1)
+        up = (tl.arange(0, 2) == 1)[None, :, None, None, None]
+        r = tl.where(up, tl.expand_dims(d, 1), tl.expand_dims(s, 1))
+        return _fwht_lanes(tl.reshape(r, [L, BT, C]), L, BT, C, G * 2)
+
+
+@triton.jit
+def _gather_rows(tab_ptr, idx, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """tab[idx] for idx [L, BT, C] in the row layout. With no contiguity to exploit, the
+    compiler orders a gather's lanes along the lowest dims (L, then rows) and keeps C in
+    registers: the row layout itself, so no shared-memory round trip surrounds the gather."""
+    return tl.load(tab_ptr + idx)
+
+
+@triton.jit
+def _gload_rows(ptrs, mask, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """Masked gather of pointers [L, BT, C] in the row layout (see _gather_rows)."""
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _fold_rows(x, L: tl.constexpr, BT: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    """Add adjacent pairs along the last dim of x [L, BT, N], K times: [L, BT, N >> K]."""
+    if K == 0:
+        return x
+    else:
+        a, b = tl.split(tl.reshape(x, [L, BT, N // 2, 2]))
+        return _fold_rows(a + b, L, BT, N // 2, K - 1)
+
+
+@triton.jit
+def _fold_lanes(x, L: tl.constexpr, BT: tl.constexpr):
+    """Adjacent-pair fold over the lane dim of x [L, BT] -> [BT]."""
+    if L == 1:
+        return tl.reshape(x, [BT])
+    else:
+        return _fold_lanes(tl.sum(tl.reshape(x, [L // 2, 2, BT]), axis=1), L // 2, BT)
+
+
+@triton.jit
+def _row_norm2(x, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, LOGC: tl.constexpr):
+    """Pairwise fold of x [L, BT, C] over the D = L*C coordinates of each row -> [BT]."""
+    f = _fold_rows(x, L, BT, C, LOGC)
+    return _fold_lanes(tl.reshape(f, [L, BT]), L, BT)
+
+
+@triton.jit
+def _mux_thr(tp, IDX: tl.constexpr, K: tl.constexpr, S: tl.constexpr, HALF: tl.constexpr,
+             NB: tl.constexpr, p0, p1, p2, p3, p4):
+    """Threshold bits tp[IDX + prefix + HALF - 1]: the prefix is the value of the already known
+    search bits p_K..p_{S-1} (p0 the most significant of NB); a select tree over scalars."""
+    if K == S:
+        return tl.load(tp + (IDX + HALF - 1))
+    else:
+        if K == 0:
+            p = p0
+        elif K == 1:
+            p = p1
+        elif K == 2:
+            p = p2
+        elif K == 3:
+            p = p3
+        else:
+            p = p4
+        BV: tl.constexpr = 1 << (NB - 1 - K)
+        return tl.where(p, _mux_thr(tp, IDX + BV, K + 1, S, HALF, NB, p0, p1, p2, p3, p4),
+                        _mux_thr(tp, IDX, K + 1, S, HALF, NB, p0, p1, p2, p3, p4))
+
+
+@triton.jit
+def _quantize(v, tab_ptr, BND: tl.constexpr, B: tl.constexpr, QMODE: tl.constexpr,
+              L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """code = #{k : v > boundary_k}, ties included, for the 2**B - 1 sorted boundaries at
+    tab_ptr[BND..] (symmetric, the middle one exactly 0).
+
+    QMODE 0: binary search with gathered thresholds. QMODE 1: for v > 0 the code is
+    H + #{j : v > P_j} over the H - 1 positive boundaries P (H = 2**(B-1)); for v <= 0 it is
+    H - 1 - #{j : |v| >= P_j} = H - 1 - #{j : next_up(|v|) > P_j}. Positive floats compare as
+    their int32 bits, so one integer binary search (select tree over scalar thresholds) serves
+    both signs."""
+    if QMODE == 0:
+        code = tl.zeros(v.shape, tl.int32)
+        for s in tl.static_range(B):
+            half = 1 << (B - 1 - s)
+            thr = _gather_rows(tab_ptr + (BND + half - 1), code, L, BT, C)
+            code = code + tl.where(v > thr, half, 0)
+        return code
+    else:
+        H: tl.constexpr = 1 << (B - 1)
+        NB: tl.constexpr = B - 1
+        pos = v > 0.0
+        bits = v.to(tl.int32, bitcast=True)
+        a = tl.where(pos, bits, (bits & 0x7FFFFFFF) + 1)
+        tp = tab_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (BND + H)
+        n = tl.zeros(v.shape, tl.int32)
+        p0 = pos
+        p1 = pos
+        p2 = pos
+        p3 = pos
+        p4 = pos
+        if NB > 0:
+            p0 = a > _mux_thr(tp, 0, 0, 0, 1 << (NB - 1), NB, p0, p1, p2, p3, p4)
+            n += tl.where(p0, 1 << (NB - 1), 0)
+        if NB > 1:
+            p1 = a > _mux_thr(tp, 0, 0, 1, 1 << (NB - 2), NB, p0, p1, p2, p3, p4)
+            n += tl.where(p1, 1 << (NB - 2), 0)
+        if NB > 2:
+            p2 = a > _mux_thr(tp, 0, 0, 2, 1 << (NB - 3), NB, p0, p1, p2, p3, p4)
+            n += tl.where(p2, 1 << (NB - 3), 0)
+        if NB > 3:
+            p3 = a > _mux_thr(tp, 0, 0, 3, 1 << (NB - 4), NB, p0, p1, p2, p3, p4)
+            n += tl.where(p3, 1 << (NB - 4), 0)
+        if NB > 4:
+            p4 = a > _mux_thr(tp, 0, 0, 4, 1 << (NB - 5), NB, p0, p1, p2, p3, p4)
+            n += tl.where(p4, 1 << (NB - 5), 0)
+        return (n + H) ^ tl.where(pos, 0, 2 * H - 1)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """Round-to-nearest-even fp32 -> float8 e4m3fn bits for |v| <= 448 (integer arithmetic; the
+    interpreter's cast carries wrongly into the exponent, the GPU's cvt.rn.satfinite agrees)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal range (|v| >= 2**-6): round the 23-bit mantissa to 3 bits, re-bias 127 -> 7
+    r = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    normal = r - 960
+    # subnormal range: the nearest even multiple of 2**-9 (8 is the smallest normal, 0x08)
+    q = tl.abs(v) * 512.0
+    sub = ((q + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(a < 0x3C800000, sub, normal)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _wsum_words(words, word_idx):
+    """wsum32 contribution (mod 2**32, as int32) of words at body word indices word_idx."""
+    prod = words.to(tl.int32) * (word_idx.to(tl.int32) * 2 + 1)
+    return tl.sum(tl.reshape(prod, [prod.numel]), axis=0).to(tl.int32)
+
+
+@triton.jit
+def _wsum_rows(words, word_idx):
+    """Per-(lane, row) wsum32 contribution of words [L, BT, N] (in-thread sum over N)."""
+    return tl.sum(words.to(tl.int32) * (word_idx.to(tl.int32) * 2 + 1), axis=2).to(tl.int32)
+
+
+@triton.jit
+def _lane0(v, L: tl.constexpr):
+    """A per-row [BT] value as [L, BT], counted once (on lane 0)."""
+    return tl.where(tl.arange(0, L)[:, None] == 0, v[None, :], 0).to(tl.int32)
+
+
+@triton.jit
+def _bits16(x):
+    """The 16 raw bits of an fp16/bf16 tensor as int32 in 0..65535."""
+    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _pair_words(h, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """Join adjacent 16-bit values h [L, BT, C] (int32) into little-endian words [L, BT, C/2]."""
+    a, b = tl.split(tl.reshape(h, [L, BT, C // 2, 2]))
+    return a | (b << 16)
+
+
+@triton.jit
+def _quad_words(b8, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """Join 4 adjacent bytes b8 [L, BT, C] (int32 0..255) into words [L, BT, C/4]."""
+    sh = (tl.arange(0, C) % 4) * 8
+    v = b8 << sh[None, None, :]
+    return _fold_rows(v, L, BT, C, 2)
+
+
+@triton.jit
+def _load_rows(kv_ptr, row_off, valid, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """Load rows [L, BT, C] of the cache: row r of lane l starts at row_off[r] + l*C. The 4-D
+    pointer shape [L, BT, C/8, 8] makes the compiler give each thread whole 16-byte pieces of
+    its own row (lanes along L, then rows), so the row ends up in one thread's registers."""
+    ln = tl.arange(0, L)[:, None, None, None]
+    a = tl.arange(0, C // 8)[None, None, :, None]
+    b = tl.arange(0, 8)[None, None, None, :]
+    ptrs = kv_ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
+    m = valid[None, :, None, None] & (b < 8)
+    x = tl.load(ptrs, mask=m, other=0.0)
+    return tl.reshape(x, [L, BT, C])
+
+
+@triton.jit
+def _store_rows(ptr, row_off, valid, x, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    ln = tl.arange(0, L)[:, None, None, None]
+    a = tl.arange(0, C // 8)[None, None, :, None]
+    b = tl.arange(0, 8)[None, None, None, :]
+    ptrs = ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
+    m = valid[None, :, None, None] & (b < 8)
+    tl.store(ptrs, tl.reshape(x, [L, BT, C // 8, 8]), mask=m)
+
+
+@triton.jit
+def _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
+                 stride_head, block_size):
+    """Element offsets of rows t (chunk-relative tokens) of head h, through the block table."""
+    p = start + t
+    blk = tl.load(blocks_ptr + blk0 + p // block_size, mask=valid, other=0).to(tl.int64)
+    off = layer_off + blk * stride_blk + (p % block_size).to(tl.int64) * stride_tok + h * stride_head
+    return tl.multiple_of(off, 8)
+
+
+# ------------------------------------------------------------------------------------------
+# chunk mean (pairwise fold over tokens, binary tree over aligned tiles)
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _fold_t(x, A: tl.constexpr, TH: tl.constexpr, N: tl.constexpr):
+    """Pairwise fold of x [A, TH, N, 8] over dim 2 (registers) -> [A, TH, 8]."""
+    if N == 1:
+        return tl.reshape(x, [A, TH, 8])
+    else:
+        return _fold_t(tl.sum(tl.reshape(x, [A, TH, N // 2, 2, 8]), axis=3), A, TH, N // 2)
+
+
+@triton.jit
+def _fold_th(x, A: tl.constexpr, N: tl.constexpr):
+    """Pairwise fold of x [A, N, 8] over dim 1 (lanes / warps) -> [A, 8]."""
+    if N == 1:
+        return tl.reshape(x, [A, 8])
+    else:
+        return _fold_th(tl.sum(tl.reshape(x, [A, N // 2, 2, 8]), axis=2), A, N // 2)
+
+
+@triton.jit
+def _merge(lv, carry, done, bit):
+    """One level of the binary counter over tile sums (left subtree + right subtree)."""
+    store_here = (done == 0) & (bit == 0)
+    merge = (done == 0) & (bit == 1)
+    new_lv = tl.where(store_here, carry, lv)
+    new_carry = tl.where(merge, lv + carry, carry)
+    new_done = done | store_here.to(tl.int32)
+    return new_lv, new_carry, new_done
+
+
+@triton.jit
+def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, stride_tok,
+               stride_head, block_size, D: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr,
+               NUM_WARPS: tl.constexpr):
+    """Per-channel sum of the chunk's T tokens of head h in the reference's order: tokens padded
+    with +0 to P = next power of two, adjacent pairs folded. Tiles of BT aligned rows are exact
+    subtrees; a binary counter (LV levels) folds the tile sums. The tile is laid out with tokens
+    t = th*TL + tl, the low token bits in registers (cheap first fold levels) and the channels
+    across lanes. Returns [D/8, 8] fp32."""
+    A: tl.constexpr = D // 8
+    LA: tl.constexpr = A if A < 32 else 32
+    TH: tl.constexpr = (32 // LA) * NUM_WARPS
+    TL_: tl.constexpr = BT // TH
+    a = tl.arange(0, A)[:, None, None, None]
+    b = tl.arange(0, 8)[None, None, None, :]
+    lv0 = tl.zeros([A, 8], tl.float32)
+    lv1 = tl.zeros([A, 8], tl.float32)
+    lv2 = tl.zeros([A, 8], tl.float32)
+    lv3 = tl.zeros([A, 8], tl.float32)
+    lv4 = tl.zeros([A, 8], tl.float32)
+    lv5 = tl.zeros([A, 8], tl.float32)
+    lv6 = tl.zeros([A, 8], tl.float32)
+    lv7 = tl.zeros([A, 8], tl.float32)
+    lv8 = tl.zeros([A, 8], tl.float32)
+    carry = tl.zeros([A, 8], tl.float32)
+    n_tiles = tl.maximum(P // BT, 1)
+    for i in range(0, n_tiles):
+        t1 = i * BT + tl.arange(0, BT)
+        v1 = t1 < T
+        row1 = _row_offsets(blocks_ptr, blk0, start, t1, v1, layer_off, h, stride_blk, stride_tok,
+                            stride_head, block_size)
+        row = tl.multiple_of(tl.reshape(row1, [1, TH, TL_, 1]), [8, 8, 8, 8])
+        t = tl.reshape(t1, [1, TH, TL_, 1])
+        valid = t < T
+        m = valid & (b < 8)
+        x = tl.load(kv_ptr + (row + a * 8 + b), mask=m, other=0.0).to(tl.float32)
+        # rows in [T, P) are the reference's +0 padding; rows past P (P < BT) must not change
+        # any sum, so they are -0 (x + -0 == x for every x, +0 included)
+        pad = tl.where(t < P, 0.0, -0.0)
+        x = tl.where(m, x, pad)
+        s = _fold_th(_fold_t(x, A, TH, TL_), A, TH)
+        carry = s
+        done = tl.full([], 0, tl.int32)
+        if LV > 0:
+            lv0, carry, done = _merge(lv0, carry, done, (i >> 0) & 1)
+        if LV > 1:
+            lv1, carry, done = _merge(lv1, carry, done, (i >> 1) & 1)
+        if LV > 2:
+            lv2, carry, done = _merge(lv2, carry, done, (i >> 2) & 1)
+        if LV > 3:
+            lv3, carry, done = _merge(lv3, carry, done, (i >> 3) & 1)
+        if LV > 4:
+            lv4, carry, done = _merge(lv4, carry, done, (i >> 4) & 1)
+        if LV > 5:
+            lv5, carry, done = _merge(lv5, carry, done, (i >> 5) & 1)
+        if LV > 6:
+            lv6, carry, done = _merge(lv6, carry, done, (i >> 6) & 1)
+        if LV > 7:
+            lv7, carry, done = _merge(lv7, carry, done, (i >> 7) & 1)
+        if LV > 8:
+            lv8, carry, done = _merge(lv8, carry, done, (i >> 8) & 1)
+    return carry
+
+
+# ------------------------------------------------------------------------------------------
+# encode
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _store_words(base, row_byte, valid, w, LO: tl.constexpr, HI: tl.constexpr,
+                 L: tl.constexpr, BT: tl.constexpr, NWR: tl.constexpr):
+    """Store words w [L, BT, NWR] (word j of lane l is word l*NWR + j of the row) at
+    base + row_byte[r] + 4*(word - LO) for words in [LO, HI). The [L, BT, NWR/4, 4] pointer
+    shape keeps each row's words in its own thread as 16-byte vector stores."""
+    ln = tl.arange(0, L)[:, None, None, None]
+    if NWR >= 4:
+        q = tl.arange(0, NWR // 4)[None, None, :, None]
+        r = tl.arange(0, 4)[None, None, None, :]
+        m = ln * NWR + q * 4 + r
+        ok = valid[None, :, None, None] & (m >= LO) & (m < HI)
+        p32 = (base + row_byte[None, :, None, None]).to(tl.pointer_type(tl.int32))
+        tl.store(p32 + (m - LO), tl.reshape(w, [L, BT, NWR // 4, 4]), mask=ok)
+    else:
+        m3 = tl.arange(0, L)[:, None, None] * NWR + tl.arange(0, NWR)[None, None, :]
+        ok3 = valid[None, :, None] & (m3 >= LO) & (m3 < HI)
+        p32 = (base + row_byte[None, :, None]).to(tl.pointer_type(tl.int32))
+        tl.store(p32 + (m3 - LO), w, mask=ok3)
+
+
+@triton.jit
+def _pack_store(code, out_ptr, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr,
+                SHIFT: tl.constexpr, W: tl.constexpr, POFF: tl.constexpr, WORDS: tl.constexpr,
+                L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """Pack one bit plane (width W, code bits SHIFT.., coordinates G0..G0+NG) of code [L, BT, C]
+    into its bytes at out_ptr + row_byte[r] + POFF (row_byte: byte offset of the row in the
+    body, out_ptr: the body); returns the plane's wsum32 contribution per (lane, row).
+    WORDS: whole little-endian words (32/W codes each), else single bytes (8/W codes)."""
+    d = tl.arange(0, L)[:, None, None] * C + tl.arange(0, C)[None, None, :]
+    ing = (d >= G0) & (d < G0 + NG)
+    pv = (code >> SHIFT) & ((1 << W) - 1)
+    if WORDS:
+        PER: tl.constexpr = 32 // W
+        LOGP: tl.constexpr = PER.bit_length() - 1
+        NWR: tl.constexpr = C // PER
+        if NG == L * C:
+            v = pv << ((d % PER) * W)
+        else:
+            v = tl.where(ing, pv << ((d % PER) * W), 0)
+        w = _fold_rows(v, L, BT, C, LOGP)  # [L, BT, NWR]
+        _store_words(out_ptr + POFF, row_byte, valid, w, G0 // PER, (G0 + NG) // PER, L, BT, NWR)
+        m = tl.arange(0, L)[:, None, None] * NWR + tl.arange(0, NWR)[None, None, :]
+        ok = valid[None, :, None] & (m >= G0 // PER) & (m < (G0 + NG) // PER)
+        wi = (row_byte[None, :, None] + POFF) // 4 + (m - G0 // PER)
+        return _wsum_rows(tl.where(ok, w, 0), wi)
+    else:
+        PER: tl.constexpr = 8 // W
+        LOGP: tl.constexpr = PER.bit_length() - 1
+        v = tl.where(ing, pv << ((d % PER) * W), 0)
+        w = _fold_rows(v, L, BT, C, LOGP)  # [L, BT, C/PER] byte values
+        m = tl.arange(0, L)[:, None, None] * (C // PER) + tl.arange(0, C // PER)[None, None, :]
+        ok = valid[None, :, None] & (m >= G0 // PER) & (m < (G0 + NG) // PER)
+        bidx = m - G0 // PER
+        tl.store(out_ptr + row_byte[None, :, None] + POFF + bidx, w.to(tl.uint8), mask=ok)
+        pos = row_byte[None, :, None] + POFF + bidx
+        wv = tl.where(ok, w << ((pos % 4) * 8).to(tl.int32), 0)
+        return _wsum_rows(wv, pos // 4)
+
+
+@triton.jit
+def _pack_group(code, out_ptr, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr,
+                B: tl.constexpr, POFF: tl.constexpr, WORDS: tl.constexpr, L: tl.constexpr,
+                BT: tl.constexpr, C: tl.constexpr):
+    """Bit planes 4/2/1 from the least significant bit (packing.py), planes back to back."""
+    if B == 1:
+        cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 1, POFF, WORDS, L, BT, C)
+    elif B == 2:
+        cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 2, POFF, WORDS, L, BT, C)
+    elif B == 3:
+        cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 2, POFF, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 2, 1, POFF + NG // 4, WORDS, L, BT, C)
+    elif B == 4:
+        cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+    elif B == 5:
+        cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 1, POFF + NG // 2, WORDS, L, BT, C)
+    elif B == 6:
+        cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS, L, BT, C)
+    else:
+        cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 6, 1, POFF + NG // 2 + NG // 4, WORDS, L, BT, C)
+    return cs
+
+
+@triton.jit
+def _enc_raw(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
+             stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr, L: tl.constexpr,
+             BT: tl.constexpr):
+    C: tl.constexpr = D // L
+    cs = tl.zeros([L, BT], tl.int32)
+    wcol = tl.arange(0, L)[:, None, None] * (C // 2) + tl.arange(0, C // 2)[None, None, :]
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        valid = t < T
+        row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
+                           stride_head, block_size)
+        x = _load_rows(kv_ptr, row, valid, L, BT, C)
+        rb = s_off + (t.to(tl.int64) * H + h) * (D * 2)  # body byte offset of each row
+        dst = (out_ptr + body0).to(tl.pointer_type(x.dtype))
+        _store_rows(dst, rb // 2, valid, x, L, BT, C)
+        words = _pair_words(_bits16(x), L, BT, C)
+        cs += _wsum_rows(tl.where(valid[None, :, None], words, 0), rb[None, :, None] // 4 + wcol)
+    return tl.sum(tl.reshape(cs, [L * BT]), axis=0).to(tl.int32)
+
+
+@triton.jit
+def _enc_fp8(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
+             stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr, L: tl.constexpr,
+             BT: tl.constexpr, FP8_MANUAL: tl.constexpr):
+    C: tl.constexpr = D // L
+    scales_off = s_off
+    codes_off = tl.multiple_of(s_off + _align16(T * H * 2), 16)
+    cs = tl.zeros([L, BT], tl.int32)
+    wcol = tl.arange(0, L)[:, None, None] * (C // 4) + tl.arange(0, C // 4)[None, None, :]
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        valid = t < T
+        row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
+                           stride_head, block_size)
+        x = _load_rows(kv_ptr, row, valid, L, BT, C).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=0)  # [BT]
+        scale = tl.minimum(tl.div_rn(amax, 448.0), 65504.0).to(tl.float16)
+        s32 = scale.to(tl.float32)
+        inv = tl.where(s32 > 0, tl.div_rn(tl.full([BT], 1.0, tl.float32), s32), 0.0)
+        v = tl.minimum(tl.maximum(x * inv[None, :, None], -448.0), 448.0)
+        if FP8_MANUAL:
+            q = _e4m3_bits(v)
+        else:
+            q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        ri = t.to(tl.int64) * H + h
+        # scales [T, H] fp16
+        sp = (out_ptr + body0 + scales_off).to(tl.pointer_type(tl.float16))
+        tl.store(sp + ri, scale, mask=valid)
+        sb = scales_off + ri * 2
+        sw = tl.where(valid, _bits16(scale) << ((sb % 4) * 8).to(tl.int32), 0)
+        cs += _lane0(sw * ((sb // 4).to(tl.int32) * 2 + 1), L)
+        # codes [T, H, D] bytes
+        cb = codes_off + ri * D
+        _store_rows(out_ptr + body0, cb, valid, q, L, BT, C)
+        words = _quad_words(q.to(tl.int32), L, BT, C)
+        cs += _wsum_rows(tl.where(valid[None, :, None], words, 0), cb[None, :, None] // 4 + wcol)
+    # zero the padding after the scales (written once per stream, by head 0)
+    if h == 0:
+        e = scales_off + T * H * 2
+        z = e + tl.arange(0, 16)
+        tl.store(out_ptr + body0 + z, tl.zeros([16], tl.uint8), mask=z < _align16(e))
+    return tl.sum(tl.reshape(cs, [L * BT]), axis=0).to(tl.int32)
+
+
+@triton.jit
+def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H, body0,
+               s_off, stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr,
+               L: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr, BITS: tl.constexpr,
+               CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr, WORDS: tl.constexpr,
+               QMODE: tl.constexpr, SQRT_D: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
+               NUM_WARPS: tl.constexpr):
+    C: tl.constexpr = D // L
+    LOGC: tl.constexpr = C.bit_length() - 1
+    R: tl.constexpr = (NHI * (BITS + 1) + (D - NHI) * BITS) // 8
+    S = tl.where(start == 0, tl.minimum(T, SINK), 0)
+    off = s_off
+    mean_off = off
+    if CENTER:
+        off += H * D * 2
+    sink_off = off
+    off += S * H * D * 2
+    codes_off = tl.multiple_of(off, 16)
+    scales_off = tl.multiple_of(_align16(off + T * H * R), 16)
+    cs = tl.zeros([L, BT], tl.int32)
+    cs0 = tl.full([], 0, tl.int32)
+    dcol = tl.arange(0, L)[:, None, None] * C + tl.arange(0, C)[None, None, :]  # [L, 1, C]
+    wcol = tl.arange(0, L)[:, None, None] * (C // 2) + tl.arange(0, C // 2)[None, None, :]
+    zrow = tl.zeros([BT], tl.int64)
+    mp = (out_ptr + body0 + mean_off).to(tl.pointer_type(tl.float16)) + h * D
+    if CENTER:
+        tot = _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk,
+                         stride_tok, stride_head, block_size, D, BT, LV, NUM_WARPS)
+        mean16 = tl.div_rn(tot, T.to(tl.float32)).to(tl.float16)  # [D/8, 8]
+        md = tl.arange(0, D // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(mp + md, mean16)
+        ma, mb = tl.split(tl.reshape(_bits16(mean16), [D // 8, 4, 2]))
+        mwi = (mean_off + h * D * 2) // 4 + tl.arange(0, D // 8)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        cs0 += _wsum_words(ma | (mb << 16), mwi)
+        # the tiles re-read the mean from the staging buffer in their own (row) layout
+        tl.debug_barrier()
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        valid = t < T
+        row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
+                           stride_head, block_size)
+        x16 = _load_rows(kv_ptr, row, valid, L, BT, C)
+        ri = t.to(tl.int64) * H + h
+        if SINK > 0:
+            if t0 < S:
+                sv = valid & (t < S)
+                sb = sink_off + ri * (D * 2)
+                dst = (out_ptr + body0).to(tl.pointer_type(x16.dtype))
+                _store_rows(dst, sb // 2, sv, x16, L, BT, C)
+                words = _pair_words(_bits16(x16), L, BT, C)
+                cs += _wsum_rows(tl.where(sv[None, :, None], words, 0), sb[None, :, None] // 4 + wcol)
+        x = x16.to(tl.float32)
+        if CENTER:
+            x = x - _load_rows(mp, zrow, valid, L, BT, C).to(tl.float32)
+        n2 = _row_norm2(x * x, L, BT, C, LOGC)
+        u = _rotate(x, S1M, S2M, L, BT, C)
+        norm = tl.sqrt_rn(n2)
+        inv = tl.where(norm > 0, tl.div_rn(tl.full([BT], 1.0, tl.float32), norm), 0.0)
+        v = u * inv[None, :, None]
+        LO: tl.constexpr = 2 * D + 3 * ((1 << BITS) - 2)
+        code = _quantize(v, tab_ptr, LO, BITS, QMODE, L, BT, C)
+        if NHI > 0:
+            HI: tl.constexpr = 2 * D + 3 * ((1 << (BITS + 1)) - 2)
+            code_hi = _quantize(v, tab_ptr, HI, BITS + 1, QMODE, L, BT, C)
+            ishi = dcol < NHI
+            code = tl.where(ishi, code_hi, code)
+            sq = tl.where(ishi, _gather_rows(tab_ptr + (HI + 2 * (1 << (BITS + 1))), code, L, BT, C),
+                          _gather_rows(tab_ptr + (LO + 2 * (1 << BITS)), code, L, BT, C))
+        else:
+            sq = _gather_rows(tab_ptr + (LO + 2 * (1 << BITS)), code, L, BT, C)
+        cn = tl.sqrt_rn(_row_norm2(sq, L, BT, C, LOGC))
+        scale = tl.minimum(tl.div_rn(norm, SQRT_D * cn), 65504.0).to(tl.float16)
+        # codes [T, H, R]
+        cb = codes_off + ri * R
+        if NHI > 0:
+            cs += _pack_group(code, out_ptr + body0, cb, valid, 0, NHI, BITS + 1, 0, WORDS, L, BT, C)
+            cs += _pack_group(code, out_ptr + body0, cb, valid, NHI, D - NHI, BITS,
+                              NHI * (BITS + 1) // 8, WORDS, L, BT, C)
+        else:
+            cs += _pack_group(code, out_ptr + body0, cb, valid, 0, D, BITS, 0, WORDS, L, BT, C)
+        # scales [T, H] fp16
+        sp = (out_ptr + body0 + scales_off).to(tl.pointer_type(tl.float16))
+        tl.store(sp + ri, scale, mask=valid)
+        sb = scales_off + ri * 2
+        sw = tl.where(valid, _bits16(scale) << ((sb % 4) * 8).to(tl.int32), 0)
+        cs += _lane0(sw * ((sb // 4).to(tl.int32) * 2 + 1), L)
+    if h == 0:
+        z = tl.arange(0, 16)
+        e1 = codes_off + T * H * R
+        tl.store(out_ptr + body0 + e1 + z, tl.zeros([16], tl.uint8), mask=e1 + z < scales_off)
+        e2 = scales_off + T * H * 2
+        tl.store(out_ptr + body0 + e2 + z, tl.zeros([16], tl.uint8), mask=e2 + z < _align16(e2))
+    return cs0 + tl.sum(tl.reshape(cs, [L * BT]), axis=0).to(tl.int32)
+
+
+@triton.jit
+def _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H, body0,
+                s_off, stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr,
+                L: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr, KIND: tl.constexpr,
+                BITS: tl.constexpr, CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr,
+                WORDS: tl.constexpr, QMODE: tl.constexpr, FP8_MANUAL: tl.constexpr,
+                SQRT_D: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
+                NUM_WARPS: tl.constexpr):
+    if KIND == 0:
+        return _enc_raw(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
+                        stride_blk, stride_tok, stride_head, block_size, D, L, BT)
+    elif KIND == 1:
+        return _enc_fp8(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
+                        stride_blk, stride_tok, stride_head, block_size, D, L, BT, FP8_MANUAL)
+    else:
+        return _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
+                          body0, s_off, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
+                          LV, BITS, CENTER, SINK, NHI, WORDS, QMODE, SQRT_D, S1M, S2M, NUM_WARPS)
+
+
+@triton.jit
+def _write_header(out_ptr, out_off, preset_id, layer, num_layers, H, D: tl.constexpr, dtype_code,
+                  T, start, body, tag_lo, tag_hi, body_sum):
+    """The 48-byte chunk header (wire.py) with its wsum32 over bytes 0..43."""
+    i = tl.arange(0, 16)
+    flags = tl.where(start == 0, 1, 0)
+    w = tl.where(i == 0, MAGIC_WORD, 0)
+    w = tl.where(i == 1, 1 | (3 << 8) | (preset_id << 16), w)
+    w = tl.where(i == 2, layer | (num_layers << 16), w)
+    w = tl.where(i == 3, H | (D << 16), w)
+    w = tl.where(i == 4, dtype_code | (flags << 8), w)
+    w = tl.where(i == 5, T, w)
+    w = tl.where(i == 6, start, w)
+    w = tl.where(i == 7, body, w)
+    w = tl.where(i == 8, tag_lo, w)
+    w = tl.where(i == 9, tag_hi, w)
+    w = tl.where(i == 10, body_sum, w)
+    hsum = tl.sum(tl.where(i < 11, w * (2 * i + 1), 0), axis=0)
+    w = tl.where(i == 11, hsum, w)
+    p32 = (out_ptr + out_off).to(tl.pointer_type(tl.int32))
+    tl.store(p32 + i, w, mask=i < 12)
+
+
+# runtime ints that vary between models must not select a separately compiled kernel
+_RUNTIME_INTS = ["block_size", "H", "preset_id", "num_layers", "dtype_code"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def encode_kernel(
+    kv_ptr, out_ptr, items_ptr, blocks_ptr, tab_ptr, acc_ptr,
+    stride_blk, stride_tok, stride_head, block_size, H, preset_id, num_layers, dtype_code,
+    D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CENTER: tl.constexpr, K_SINK: tl.constexpr,
+    K_NHI: tl.constexpr, K_WORDS: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CENTER: tl.constexpr, V_SINK: tl.constexpr,
+    V_NHI: tl.constexpr, V_WORDS: tl.constexpr,
+    QMODE: tl.constexpr, FP8_MANUAL: tl.constexpr, SQRT_D: tl.constexpr, S1M: tl.constexpr,
+    S2M: tl.constexpr, NUM_WARPS: tl.constexpr,
+):
+    """Grid: items x 2 streams x H heads. One chunk per item, written at its staging offset."""
+    pid = tl.program_id(0)
+    h = pid % H
+    s = (pid // H) % 2
+    item = pid // (2 * H)
+    ip = items_ptr + item * E_FIELDS
+    start = tl.load(ip + E_START).to(tl.int32)
+    T = tl.load(ip + E_T).to(tl.int32)
+    P = tl.load(ip + E_P).to(tl.int32)
+    out_off = tl.multiple_of(tl.load(ip + E_OUT), 16)
+    blk0 = tl.load(ip + E_BLK)
+    body0 = out_off + 48
+    if s == 0:
+        layer_off = tl.multiple_of(tl.load(ip + E_KOFF), 16)
+        cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
+                         body0, 0, stride_blk, stride_tok, stride_head, block_size, D, L, BT, LV,
+                         K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, QMODE, FP8_MANUAL,
+                         SQRT_D, S1M, S2M, NUM_WARPS)
+    else:
+        layer_off = tl.multiple_of(tl.load(ip + E_VOFF), 16)
+        s_off = tl.multiple_of(tl.load(ip + E_KBYTES), 16)
+        cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
+                         body0, s_off, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
+                         LV, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, QMODE, FP8_MANUAL,
+                         SQRT_D, S1M, S2M, NUM_WARPS)
+    tl.atomic_add(acc_ptr + item * 2, cs, sem="relaxed")
+    done = tl.atomic_add(acc_ptr + item * 2 + 1, 1, sem="acq_rel")
+    if done == 2 * H - 1:
+        body_sum = tl.atomic_xchg(acc_ptr + item * 2, 0, sem="acq_rel")
+        tl.atomic_xchg(acc_ptr + item * 2 + 1, 0, sem="relaxed")
+        _write_header(out_ptr, out_off, preset_id, tl.load(ip + E_LAYER).to(tl.int32), num_layers,
+                      H, D, dtype_code, T, start, tl.load(ip + E_BODY).to(tl.int32),
+                      tl.load(ip + E_TAGLO).to(tl.int32), tl.load(ip + E_TAGHI).to(tl.int32),
+                      body_sum)
+
+
+# ------------------------------------------------------------------------------------------
+# verify
+# ------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["H", "preset_id", "num_layers"])
+def verify_kernel(src_ptr, items_ptr, acc_ptr, status_ptr, fail_ptr, H, preset_id, num_layers,
+                  D: tl.constexpr, BLOCKW: tl.constexpr):
+    """Grid: items x splits. Body wsum32 in slices of BLOCKW words; the last slice's program
+    checks the header against what the decoder expects and records a status per chunk."""
+    item = tl.program_id(0)
+    split = tl.program_id(1)
+    ip = items_ptr + item * D_FIELDS
+    nsplit = tl.load(ip + D_NSPLIT).to(tl.int32)
+    if split < nsplit:
+        in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
+        nbytes = tl.load(ip + D_NBYTES)
+        exp_body = tl.load(ip + D_BODY)
+        p32 = (src_ptr + in_off).to(tl.pointer_type(tl.int32))
+        hw = tl.arange(0, 16)
+        hdr = tl.load(p32 + hw, mask=hw < 12, other=0)
+        hbody = tl.sum(tl.where(hw == 7, hdr, 0), axis=0).to(tl.int64) & 0xFFFFFFFF
+        # checksum the body the header announces, within the bytes the caller handed over
+        avail = tl.minimum(hbody, nbytes - 48)
+        nw = avail // 4
+        wi = split.to(tl.int64) * BLOCKW + tl.arange(0, BLOCKW)
+        w = tl.load(p32 + 12 + wi, mask=wi < nw, other=0)
+        part = _wsum_words(w, wi.to(tl.int32))
+        tl.atomic_add(acc_ptr + item * 2, part, sem="relaxed")
+        done = tl.atomic_add(acc_ptr + item * 2 + 1, 1, sem="acq_rel")
+        if done == nsplit - 1:
+            total = tl.atomic_xchg(acc_ptr + item * 2, 0, sem="acq_rel")
+            tl.atomic_xchg(acc_ptr + item * 2 + 1, 0, sem="relaxed")
+            w0 = tl.sum(tl.where(hw == 0, hdr, 0), axis=0)
+            w1 = tl.sum(tl.where(hw == 1, hdr, 0), axis=0)
+            w2 = tl.sum(tl.where(hw == 2, hdr, 0), axis=0)
+            w3 = tl.sum(tl.where(hw == 3, hdr, 0), axis=0)
+            w4 = tl.sum(tl.where(hw == 4, hdr, 0), axis=0)
+            w5 = tl.sum(tl.where(hw == 5, hdr, 0), axis=0)
+            w6 = tl.sum(tl.where(hw == 6, hdr, 0), axis=0)
+            w8 = tl.sum(tl.where(hw == 8, hdr, 0), axis=0)
+            w9 = tl.sum(tl.where(hw == 9, hdr, 0), axis=0)
+            w10 = tl.sum(tl.where(hw == 10, hdr, 0), axis=0)
+            w11 = tl.sum(tl.where(hw == 11, hdr, 0), axis=0)
+            hsum = tl.sum(tl.where(hw < 11, hdr * (2 * hw + 1), 0), axis=0)
+            st = tl.zeros([1], tl.int32)
+            version = w1 & 0xFF
+            hunits = (w1 >> 8) & 0xFF
+            preset = (w1 >> 16) & 0xFFFF
+            layer = w2 & 0xFFFF
+            nlayers = (w2 >> 16) & 0xFFFF
+            heads = w3 & 0xFFFF
+            hdim = (w3 >> 16) & 0xFFFF
+            dcode = w4 & 0xFF
+            flags = (w4 >> 8) & 0xFF
+            reserved = (w4 >> 16) & 0xFFFF
+            st |= tl.where(w0 != MAGIC_WORD, 1, 0)
+            st |= tl.where(version != 1, 1, 0)
+            st |= tl.where(hsum != w11, 2, 0)
+            st |= tl.where((hunits != 3) | (reserved != 0), 1, 0)
+            st |= tl.where((dcode != 1) & (dcode != 2), 1, 0)
+            st |= tl.where(((flags & 1) == 1) != (w6 == 0), 1, 0)
+            st |= tl.where((flags & 0xFE) != 0, 1, 0)
+            st |= tl.where((hbody % 16) != 0, 1, 0)
+            st |= tl.where((layer >= nlayers) | (heads == 0) | (hdim == 0) | (w5 == 0), 1, 0)
+            st |= tl.where(preset != preset_id, 4, 0)
+            st |= tl.where(layer != tl.load(ip + D_LAYER).to(tl.int32), 4, 0)
+            st |= tl.where(nlayers != num_layers, 4, 0)
+            st |= tl.where(hdim != D, 4, 0)
+            st |= tl.where(heads != H, 4, 0)
+            st |= tl.where(w5 != tl.load(ip + D_T).to(tl.int32), 4, 0)
+            st |= tl.where(w6 != tl.load(ip + D_START).to(tl.int32), 4, 0)
+            has_tag = tl.load(ip + D_HASTAG) != 0
+            tag_bad = (w8 != tl.load(ip + D_TAGLO).to(tl.int32)) | (w9 != tl.load(ip + D_TAGHI).to(tl.int32))
+            st |= tl.where(has_tag & tag_bad, 4, 0)
+            st |= tl.where(hbody != exp_body, 4, 0)
+            st |= tl.where(nbytes < 48 + hbody, 8, 0)
+            st |= tl.where(total != w10, 16, 0)
+            stv = tl.sum(st, axis=0)
+            tl.store(status_ptr + item, stv)
+            if stv != 0:
+                tl.atomic_add(fail_ptr, 1, sem="relaxed")
+
+
+# ------------------------------------------------------------------------------------------
+# decode
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _unpack_plane(src, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr, SHIFT: tl.constexpr,
+                  W: tl.constexpr, POFF: tl.constexpr, WORDS: tl.constexpr, L: tl.constexpr,
+                  BT: tl.constexpr, C: tl.constexpr):
+    """Code bits SHIFT..SHIFT+W of coordinates G0..G0+NG from one bit plane -> [L, BT, C]."""
+    d = tl.arange(0, L)[:, None, None] * C + tl.arange(0, C)[None, None, :]
+    ing = (d >= G0) & (d < G0 + NG)
+    if WORDS:
+        PER: tl.constexpr = 32 // W
+        NWR: tl.constexpr = C // PER  # words of this plane per lane row
+        ln = tl.arange(0, L)[:, None, None, None]
+        # [L, BT, NWR/4, 4] pointer shape keeps each row's words in its own thread
+        if NWR >= 4:
+            q = tl.arange(0, NWR // 4)[None, None, :, None]
+            r = tl.arange(0, 4)[None, None, None, :]
+            m = ln * NWR + q * 4 + r - G0 // PER
+            ok = valid[None, :, None, None] & (m >= 0) & (m < NG // PER)
+            p32 = (src + row_byte[None, :, None, None] + POFF).to(tl.pointer_type(tl.int32))
+            w = tl.load(p32 + m, mask=ok, other=0)
+            w = tl.reshape(w, [L, BT, NWR])
+        else:
+            q = tl.arange(0, NWR)[None, None, :]
+            m = tl.arange(0, L)[:, None, None] * NWR + q - G0 // PER
+            ok = valid[None, :, None] & (m >= 0) & (m < NG // PER)
+            p32 = (src + row_byte[None, :, None] + POFF).to(tl.pointer_type(tl.int32))
+            w = tl.load(p32 + m, mask=ok, other=0)
+        sh = tl.arange(0, PER) * W
+        vals = (w[:, :, :, None] >> sh[None, None, None, :]) & ((1 << W) - 1)
+        vals = tl.reshape(vals, [L, BT, C])
+    else:
+        PER: tl.constexpr = 8 // W
+        pos = tl.where(ing, d - G0, 0)
+        bp = src + row_byte[None, :, None] + POFF + pos // PER
+        byte = _gload_rows(bp, valid[None, :, None] & ing, L, BT, C).to(tl.int32)
+        vals = (byte >> ((pos % PER) * W)) & ((1 << W) - 1)
+    return tl.where(ing, vals << SHIFT, 0)
+
+
+@triton.jit
+def _unpack_group(src, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr, B: tl.constexpr,
+                  POFF: tl.constexpr, WORDS: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
+                  C: tl.constexpr):
+    if B == 1:
+        code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 1, POFF, WORDS, L, BT, C)
+    elif B == 2:
+        code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 2, POFF, WORDS, L, BT, C)
+    elif B == 3:
+        code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 2, POFF, WORDS, L, BT, C)
+        code |= _unpack_plane(src, row_byte, valid, G0, NG, 2, 1, POFF + NG // 4, WORDS, L, BT, C)
+    elif B == 4:
+        code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+    elif B == 5:
+        code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+        code |= _unpack_plane(src, row_byte, valid, G0, NG, 4, 1, POFF + NG // 2, WORDS, L, BT, C)
+    elif B == 6:
+        code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+        code |= _unpack_plane(src, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS, L, BT, C)
+    else:
+        code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
+        code |= _unpack_plane(src, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS, L, BT, C)
+        code |= _unpack_plane(src, row_byte, valid, G0, NG, 6, 1, POFF + NG // 2 + NG // 4, WORDS, L, BT, C)
+    return code
+
+
+@triton.jit
+def _cvt(x, DT: tl.constexpr, MANUAL: tl.constexpr):
+    """fp32 -> DT with round-to-nearest-even. MANUAL: integer RNE for bf16 (the interpreter's
+    bf16 cast truncates; the GPU's cvt.rn agrees with this)."""
+    if MANUAL and DT == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def _to_cache(xf, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr):
+    """Round fp32 to the chunk's source dtype (as the reference does), then to the cache's."""
+    if src_fp16:
+        if OUT_DTYPE == tl.float16:
+            y = _cvt(xf, tl.float16, MANUAL)
+        else:
+            y = _cvt(_cvt(xf, tl.float16, MANUAL).to(tl.float32), OUT_DTYPE, MANUAL)
+    else:
+        if OUT_DTYPE == tl.bfloat16:
+            y = _cvt(xf, tl.bfloat16, MANUAL)
+        else:
+            y = _cvt(_cvt(xf, tl.bfloat16, MANUAL).to(tl.float32), OUT_DTYPE, MANUAL)
+    return y
+
+
+@triton.jit
+def _from_bits(bits16, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr):
+    """Source-dtype values given as int16 bits -> the cache's dtype."""
+    if src_fp16:
+        if OUT_DTYPE == tl.float16:
+            y = bits16.to(tl.float16, bitcast=True)
+        else:
+            y = _cvt(bits16.to(tl.float16, bitcast=True).to(tl.float32), OUT_DTYPE, MANUAL)
+    else:
+        if OUT_DTYPE == tl.bfloat16:
+            y = bits16.to(tl.bfloat16, bitcast=True)
+        else:
+            y = _cvt(bits16.to(tl.bfloat16, bitcast=True).to(tl.float32), OUT_DTYPE, MANUAL)
+    return y
+
+
+@triton.jit
+def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
+                s_off, src_fp16, stride_blk, stride_tok, stride_head, block_size,
+                D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, KIND: tl.constexpr,
+                BITS: tl.constexpr, CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr,
+                WORDS: tl.constexpr, MANUAL: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr):
+    C: tl.constexpr = D // L
+    OUT_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty
+    dcol = tl.arange(0, L)[:, None, None] * C + tl.arange(0, C)[None, None, :]
+    if KIND == 2:
+        R: tl.constexpr = (NHI * (BITS + 1) + (D - NHI) * BITS) // 8
+        S = tl.where(start == 0, tl.minimum(T, SINK), 0)
+        off = s_off
+        mean_off = off
+        if CENTER:
+            off += H * D * 2
+        sink_off = off
+        off += S * H * D * 2
+        codes_off = off
+        scales_off = _align16(off + T * H * R)
+        mp = (src_ptr + body0 + mean_off).to(tl.pointer_type(tl.float16)) + h * D
+        zrow = tl.zeros([BT], tl.int64)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        valid = t < T
+        row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
+                           stride_head, block_size)
+        ri = t.to(tl.int64) * H + h
+        if KIND == 0:
+            rb = s_off + ri * (D * 2)
+            bits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), rb // 2, valid, L, BT, C)
+            y = _from_bits(bits, src_fp16, OUT_DTYPE, MANUAL)
+        elif KIND == 1:
+            sp = (src_ptr + body0 + s_off).to(tl.pointer_type(tl.float16))
+            s32 = tl.load(sp + ri, mask=valid, other=0.0).to(tl.float32)
+            cb = s_off + _align16(T * H * 2) + ri * D
+            q = _load_rows(src_ptr + body0, cb, valid, L, BT, C)
+            xf = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s32[None, :, None]
+            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL)
+        else:
+            cb = codes_off + ri * R
+            if NHI > 0:
+                code = _unpack_group(src_ptr + body0, cb, valid, 0, NHI, BITS + 1, 0, WORDS, L, BT, C)
+                code |= _unpack_group(src_ptr + body0, cb, valid, NHI, D - NHI, BITS,
+                                      NHI * (BITS + 1) // 8, WORDS, L, BT, C)
+                LOH: tl.constexpr = 2 * D + 3 * ((1 << (BITS + 1)) - 2) + (1 << (BITS + 1))
+                LOL: tl.constexpr = 2 * D + 3 * ((1 << BITS) - 2) + (1 << BITS)
+                c = tl.where(dcol < NHI, _gather_rows(tab_ptr + LOH, code, L, BT, C),
+                             _gather_rows(tab_ptr + LOL, code, L, BT, C))
+            else:
+                code = _unpack_group(src_ptr + body0, cb, valid, 0, D, BITS, 0, WORDS, L, BT, C)
+                LEV: tl.constexpr = 2 * D + 3 * ((1 << BITS) - 2) + (1 << BITS)
+                c = _gather_rows(tab_ptr + LEV, code, L, BT, C)
+            sp = (src_ptr + body0 + scales_off).to(tl.pointer_type(tl.float16))
+            s32 = tl.load(sp + ri, mask=valid, other=0.0).to(tl.float32)
+            xf = _rotate(c, S2M, S1M, L, BT, C)
+            xf = xf * s32[None, :, None]
+            if CENTER:
+                xf = xf + _load_rows(mp, zrow, valid, L, BT, C).to(tl.float32)
+            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL)
+            if SINK > 0:
+                if t0 < S:
+                    sv = valid & (t < S)
+                    sb = sink_off + ri * (D * 2)
+                    sbits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), sb // 2, sv, L, BT, C)
+                    y = tl.where(sv[None, :, None], _from_bits(sbits, src_fp16, OUT_DTYPE, MANUAL), y)
+        _store_rows(kv_ptr, row, valid, y, L, BT, C)
+
+
+@triton.jit(do_not_specialize=["block_size", "H"])
+def decode_kernel(
+    kv_ptr, src_ptr, items_ptr, blocks_ptr, tab_ptr, fail_ptr,
+    stride_blk, stride_tok, stride_head, block_size, H,
+    D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CENTER: tl.constexpr, K_SINK: tl.constexpr,
+    K_NHI: tl.constexpr, K_WORDS: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CENTER: tl.constexpr, V_SINK: tl.constexpr,
+    V_NHI: tl.constexpr, V_WORDS: tl.constexpr, MANUAL: tl.constexpr, S1M: tl.constexpr,
+    S2M: tl.constexpr,
+):
+    """Grid: items x 2 streams x H heads. Writes nothing unless every chunk verified."""
+    if tl.load(fail_ptr) == 0:
+        pid = tl.program_id(0)
+        h = pid % H
+        s = (pid // H) % 2
+        item = pid // (2 * H)
+        ip = items_ptr + item * D_FIELDS
+        start = tl.load(ip + D_START).to(tl.int32)
+        T = tl.load(ip + D_T).to(tl.int32)
+        in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
+        blk0 = tl.load(ip + D_BLK)
+        body0 = in_off + 48
+        src_fp16 = tl.load(src_ptr + in_off + 16) == 2
+        if s == 0:
+            layer_off = tl.multiple_of(tl.load(ip + D_KOFF), 16)
+            _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
+                        0, src_fp16, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
+                        K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M, S2M)
+        else:
+            layer_off = tl.multiple_of(tl.load(ip + D_VOFF), 16)
+            s_off = tl.multiple_of(tl.load(ip + D_KBYTES), 16)
+            _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
+                        s_off, src_fp16, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
+                        V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M, S2M)

@@ -1,0 +1,243 @@
+"""Triton codec kernels run by Triton's interpreter on CPU (TRITON_INTERPRET=1).
+
+Encoded chunks must be byte-identical to the reference codec's (header and checksums included)
+for every stream kind, bit width, head_dim, cache layout and block size; decoded caches must
+equal the reference path's (the kernels follow its fp32 operation order, so the values are
+bit-identical, not just close); slots outside the target tokens keep a guard pattern; corrupt or
+unexpected chunks write nothing; remote indices are refused before any launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # triton.jit reads it when the kernel module is imported
+
+import importlib  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if "turbowire.kernels.triton_codec" in sys.modules:  # imported earlier without the interpreter
+    importlib.reload(sys.modules["turbowire.kernels.triton_codec"])
+
+from turbowire.codec import (  # noqa: E402
+    ChecksumError,
+    Codec,
+    IncompatiblePayloadError,
+    StreamSpec,
+    TruncatedPayloadError,
+)
+from turbowire.codec.presets import LayerPolicy, Preset  # noqa: E402
+from turbowire.kernels import (  # noqa: E402
+    BlockIndexError,
+    DecodeItem,
+    EncodeItem,
+    PagedKVLayout,
+    decode_into,
+    encode_into,
+)
+from turbowire.kernels.triton_dispatch import (  # noqa: E402
+    KernelConfig,
+    StagingAlignmentError,
+    decode_layers_into,
+    encode_layers_into,
+)
+
+GUARD = 7.0
+NUM_BLOCKS = 10
+
+
+def make_cache(kind: str, bs: int, heads: int, dim: int, dtype: torch.dtype, seed: int, fill=None):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "cpu_packed":
+        shape, perm = (NUM_BLOCKS, heads, bs, 2 * dim), None
+    elif kind == "LBNHC":
+        shape, perm = (2, NUM_BLOCKS, bs, heads, dim), None
+    else:  # LBHNC memory seen through the logical LBNHC shape, as vLLM hands it over
+        shape, perm = (2, NUM_BLOCKS, heads, bs, dim), (0, 1, 3, 2, 4)
+    if fill is None:
+        # a per-channel offset (what the chunk mean removes) plus an outlier channel
+        x = torch.randn(shape, generator=g) * 2 + torch.linspace(-3, 3, shape[-1])
+        x[..., 5] *= 8
+    else:
+        x = torch.full(shape, fill)
+    x = x.to(dtype)
+    return x.permute(*perm) if perm else x
+
+
+def custom(k: StreamSpec, v: StreamSpec, pid: int) -> Preset:
+    return Preset(f"custom{pid}", pid, "test preset", LayerPolicy(k, v))
+
+
+@dataclass(frozen=True)
+class Case:
+    preset: str | Preset
+    dim: int
+    kind: str
+    block_size: int
+    dtype: torch.dtype
+    chunks: tuple[tuple[int, int], ...]  # (token_start, tokens) per chunk
+    config: KernelConfig
+    heads: int = 2
+
+
+SMALL = KernelConfig(num_warps=1, tile_rows=16)
+CASES = {
+    "raw-d64-LBNHC-bs16": Case("raw", 64, "LBNHC", 16, torch.bfloat16, ((0, 40), (40, 9)), SMALL),
+    "k8v4-d128-LBHNC-bs32-fp16": Case("k8v4", 128, "LBHNC", 32, torch.float16, ((0, 33),),
+                                      KernelConfig(num_warps=1, tile_rows=16, qmode=0)),
+    # T = 70 in tiles of 16: the chunk mean folds 8 tiles through the binary counter
+    "tq4-d64-cpu-bs64-multitile": Case("tq4", 64, "cpu_packed", 64, torch.bfloat16, ((0, 70),), SMALL,
+                                       heads=1),
+    "k4v3-d256-LBNHC-bs128-lanes2": Case("k4v3", 256, "LBNHC", 128, torch.bfloat16, ((0, 20),), SMALL,
+                                         heads=1),
+    "k3v2-d128-offset-lanes2": Case("k3v2", 128, "LBNHC", 16, torch.bfloat16, ((5, 30),),
+                                    KernelConfig(num_warps=1, tile_rows=16, lanes=2), heads=1),
+    "bits1-bits6-d64": Case(
+        custom(StreamSpec("lloyd", bits=1, center=True, sink_tokens=1),
+               StreamSpec("lloyd", bits=6), 101),
+        64, "LBHNC", 16, torch.bfloat16, ((0, 24), (24, 17)), KernelConfig(num_warps=1, tile_rows=16, qmode=0),
+    ),
+    "hi-eighths-d64-fp16": Case(
+        custom(StreamSpec("lloyd", bits=2, center=True, hi_eighths=2),
+               StreamSpec("lloyd", bits=5, sink_tokens=1, hi_eighths=1), 102),
+        64, "LBNHC", 32, torch.float16, ((0, 12),), SMALL,
+    ),
+}
+
+
+def _items(case: Case, src_blocks: list[int], dst_blocks: list[int], written=None, tags=(11, 22)):
+    enc, dec = [], []
+    off = 0
+    for i, (start, tokens) in enumerate(case.chunks):
+        enc.append(EncodeItem(src_blocks, start, tokens, off, tag=tags[i]))
+        if written is not None:
+            dec.append(DecodeItem(dst_blocks, start, tokens, off, written[i], tags[i]))
+        off += 1 << 16
+    return enc, dec
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bytes_and_values_match_the_reference(name: str) -> None:
+    case = CASES[name]
+    src = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, seed=1)
+    layout = PagedKVLayout.from_cache(src)
+    codec = Codec(case.preset, case.dim, 3)
+    src_blocks, dst_blocks = [7, 2, 9, 0, 4, 5], [1, 8, 3, 6, 0, 5]
+    enc_items, _ = _items(case, src_blocks, dst_blocks)
+    ref = torch.zeros(len(case.chunks) << 16, dtype=torch.uint8)
+    out = torch.full_like(ref, 0xA5)  # stale bytes: padding must be written as zeros
+    w_ref = encode_into(codec, 2, src, layout, enc_items, ref, impl="reference")
+    w_tri = encode_into(codec, 2, src, layout, enc_items, out, impl="triton", kernel_config=case.config)
+    assert w_tri == w_ref
+    for item, n in zip(enc_items, w_ref):
+        a = ref[item.out_offset : item.out_offset + n]
+        b = out[item.out_offset : item.out_offset + n]
+        assert torch.equal(a, b), f"first differing byte {int((a != b).nonzero()[0])} of {n}"
+    _, dec_items = _items(case, src_blocks, dst_blocks, w_ref)
+    dst_ref = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, 0, fill=GUARD)
+    dst_tri = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, 0, fill=GUARD)
+    decode_into(codec, 2, dst_ref, layout, dec_items, ref, impl="reference")
+    decode_into(codec, 2, dst_tri, layout, dec_items, out, impl="triton", kernel_config=case.config)
+    assert torch.equal(dst_tri, dst_ref)
+    # and only the chunks' token slots changed
+    kd, vd = layout.views(dst_tri)
+    touched = torch.zeros(NUM_BLOCKS, case.block_size, dtype=torch.bool)
+    for start, tokens in case.chunks:
+        for t in range(start, start + tokens):
+            touched[dst_blocks[t // case.block_size], t % case.block_size] = True
+    assert bool((kd[~touched] == GUARD).all()) and bool((vd[~touched] == GUARD).all())
+    assert not bool((kd[touched] == GUARD).all())
+
+
+def _raw_setup(chunks=((0, 20), (20, 12))):
+    case = Case("raw", 64, "LBNHC", 16, torch.bfloat16, chunks, SMALL)
+    src = make_cache(case.kind, 16, 2, 64, torch.bfloat16, seed=3)
+    layout = PagedKVLayout.from_cache(src)
+    codec = Codec("raw", 64, 2)
+    staging = torch.zeros(len(chunks) << 16, dtype=torch.uint8)
+    enc, _ = _items(case, [3, 1, 4], [5, 9, 2])
+    written = encode_into(codec, 1, src, layout, enc, staging, impl="triton", kernel_config=SMALL)
+    _, dec = _items(case, [3, 1, 4], [5, 9, 2], written)
+    dst = make_cache(case.kind, 16, 2, 64, torch.bfloat16, 0, fill=GUARD)
+    return codec, layout, staging, dec, dst
+
+
+def test_a_corrupt_or_unexpected_chunk_writes_nothing() -> None:
+    codec, layout, staging, dec, dst = _raw_setup()
+    body_byte = dec[1].in_offset + 100
+    staging[body_byte] ^= 0x10
+    with pytest.raises(ChecksumError, match="body checksum"):
+        decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
+    staging[body_byte] ^= 0x10
+    staging[dec[0].in_offset + 9] ^= 0x01  # header (layer field)
+    with pytest.raises(ChecksumError, match="header checksum"):
+        decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
+    staging[dec[0].in_offset + 9] ^= 0x01
+    wrong_tag = [dec[0], DecodeItem(dec[1].block_ids, dec[1].token_start, dec[1].num_tokens,
+                                    dec[1].in_offset, dec[1].nbytes, expected_tag=99)]
+    with pytest.raises(IncompatiblePayloadError, match="tag"):
+        decode_into(codec, 1, dst, layout, wrong_tag, staging, impl="triton", kernel_config=SMALL)
+    short = [DecodeItem(dec[0].block_ids, 0, 20, dec[0].in_offset, dec[0].nbytes - 16, 11)]
+    with pytest.raises(TruncatedPayloadError):
+        decode_into(codec, 1, dst, layout, short, staging, impl="triton", kernel_config=SMALL)
+    with pytest.raises(IncompatiblePayloadError, match="layer"):
+        decode_into(codec, 0, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
+    assert bool((dst == GUARD).all())
+    decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
+    assert not bool((dst == GUARD).all())
+
+
+def test_remote_indices_and_offsets_are_refused_before_any_launch() -> None:
+    codec, layout, staging, dec, dst = _raw_setup(((0, 20),))
+    src = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, seed=3)
+    out = torch.zeros(1 << 16, dtype=torch.uint8)
+    kw = dict(impl="triton", kernel_config=SMALL)
+    with pytest.raises(BlockIndexError, match="repeated"):
+        encode_into(codec, 1, src, layout, [EncodeItem([3, 3], 0, 20, 0)], out, **kw)
+    with pytest.raises(BlockIndexError, match="block ids"):
+        encode_into(codec, 1, src, layout, [EncodeItem([3, NUM_BLOCKS], 0, 20, 0)], out, **kw)
+    with pytest.raises(BlockIndexError, match="need 2 blocks"):
+        encode_into(codec, 1, src, layout, [EncodeItem([3], 0, 20, 0)], out, **kw)
+    with pytest.raises(StagingAlignmentError):
+        encode_into(codec, 1, src, layout, [EncodeItem([3, 1], 0, 20, 8)], out, **kw)
+    with pytest.raises(BlockIndexError, match="outside"):
+        encode_into(codec, 1, src, layout, [EncodeItem([3, 1], 0, 20, 65520)], out, **kw)
+    with pytest.raises(BlockIndexError, match="same staging bytes"):
+        encode_into(codec, 1, src, layout, [EncodeItem([3, 1], 0, 20, 0), EncodeItem([4], 0, 8, 64)], out, **kw)
+    item = dec[0]
+    overlapping = [item, DecodeItem([8, 9], 10, 10, item.in_offset, item.nbytes, 11)]
+    with pytest.raises(BlockIndexError, match="same cache slots"):
+        decode_into(codec, 1, dst, layout, overlapping, staging, **kw)
+    with pytest.raises(BlockIndexError, match="block ids"):
+        decode_into(codec, 1, dst, layout, [DecodeItem([-1, 2], 0, 20, 0, item.nbytes, 11)], staging, **kw)
+    assert bool((dst == GUARD).all())
+
+
+def test_several_layers_and_policies_in_one_call() -> None:
+    """Boundary layers use another policy: one launch per policy, layers in separate tensors."""
+    fp8 = StreamSpec("fp8", bits=8)
+    preset = Preset("custom103", 103, "boundary test", LayerPolicy(fp8, StreamSpec("lloyd", bits=2)),
+                    boundary=LayerPolicy(StreamSpec("raw"), StreamSpec("raw")), boundary_layers=1)
+    codec = Codec(preset, 64, 3)
+    caches = [make_cache("LBHNC", 16, 1, 64, torch.bfloat16, seed=10 + i) for i in range(3)]
+    layout = PagedKVLayout.from_cache(caches[0])
+    items = [[EncodeItem([2, 6], 0, 25, i << 14, tag=i)] for i in range(3)]
+    ref = torch.zeros(1 << 16, dtype=torch.uint8)
+    for i in range(3):
+        encode_into(codec, i, caches[i], layout, items[i], ref, impl="reference")
+    out = torch.zeros_like(ref)
+    jobs = [(i, caches[i], layout, items[i]) for i in range(3)]
+    written = encode_layers_into(codec, jobs, out, SMALL)
+    assert torch.equal(out, ref)
+    dst = [make_cache("LBHNC", 16, 1, 64, torch.bfloat16, 0, fill=GUARD) for _ in range(3)]
+    dst_ref = [make_cache("LBHNC", 16, 1, 64, torch.bfloat16, 0, fill=GUARD) for _ in range(3)]
+    dec = [[DecodeItem([7, 1], 0, 25, i << 14, written[i][0], i)] for i in range(3)]
+    for i in range(3):
+        decode_into(codec, i, dst_ref[i], layout, dec[i], ref, impl="reference")
+    decode_layers_into(codec, [(i, dst[i], layout, dec[i]) for i in range(3)], out, SMALL)
+    for a, b in zip(dst, dst_ref):
+        assert torch.equal(a, b)
