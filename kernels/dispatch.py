@@ -53,9 +53,21 @@ def _use_triton(impl: str, codec: Codec, kv_cache: torch.Tensor) -> bool:
     for tests) or "reference"."""
     from turbowire.kernels import triton_dispatch
 
-    if impl not in ("auto", "triton", "reference"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
+    if impl not in ("auto", "triton", "cpu", "reference"):
+        raise ValueError(f"impl must be 'auto', 'triton', 'cpu' or 'reference', got {impl!r}")
     return impl == "triton" or (impl == "auto" and triton_dispatch.applies(codec, kv_cache))
+
+
+def _use_cpu(impl: str, codec: Codec, kv_cache: torch.Tensor, layout: PagedKVLayout,
+             buf: torch.Tensor) -> bool:
+    """The C codec (kernels/cpu/, same bytes) for CPU bf16/fp16 caches: "auto" when it applies
+    and is built, "cpu" always (refused with CpuKernelError where it cannot serve)."""
+    from turbowire.kernels import cpu_dispatch
+
+    if impl == "cpu":
+        cpu_dispatch.require_applicable(codec, kv_cache, layout, buf)
+        return True
+    return impl == "auto" and cpu_dispatch.applies(codec, kv_cache, layout, buf)
 
 
 def encode_into(
@@ -76,6 +88,10 @@ def encode_into(
         return triton_dispatch.encode_into(
             codec, layer, kv_cache, layout, items, staging, kernel_config
         )
+    if _use_cpu(impl, codec, kv_cache, layout, staging):
+        from turbowire.kernels import cpu_dispatch
+
+        return cpu_dispatch.encode_into(codec, layer, kv_cache, layout, items, staging)
     written = []
     for item in items:
         k, v = layout.gather(kv_cache, item.block_ids, item.token_start, item.num_tokens)
@@ -102,6 +118,11 @@ def decode_into(
 
     if _use_triton(impl, codec, kv_cache):
         triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config)
+        return
+    if _use_cpu(impl, codec, kv_cache, layout, source):
+        from turbowire.kernels import cpu_dispatch
+
+        cpu_dispatch.decode_into(codec, layer, kv_cache, layout, items, source)
         return
     decoded = []
     for item in items:

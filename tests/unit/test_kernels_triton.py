@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # triton.jit reads it when the kernel module is imported
+os.environ["TRITON_INTERPRET"] = "1"  # also set by tests/conftest.py, before vllm imports triton
 
-import importlib  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if "turbowire.kernels.triton_codec" in sys.modules:  # imported earlier without the interpreter
-    importlib.reload(sys.modules["turbowire.kernels.triton_codec"])
+import triton.language.standard  # noqa: E402
+
+if type(triton.language.standard.cdiv).__name__ != "InterpretedFunction":
+    sys.exit("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)")
 
 from turbowire.codec import (  # noqa: E402
     ChecksumError,

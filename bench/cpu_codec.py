@@ -1,0 +1,254 @@
+"""CPU codec throughput: the C kernels (kernels/cpu/) against the reference codec, on one core.
+
+Both run through the public entry points (``turbowire.kernels.encode_into`` / ``decode_into``
+with ``impl="cpu"`` and ``impl="reference"``) on a real vLLM CPU-layout paged cache
+[num_blocks, H, block_size, 2*D] bf16, chunks of 256 tokens, so the numbers include the gather,
+header, checksums, verification and scatter. Rates are K+V elements per second (and GB/s of the
+dense bf16 KV they stand for); "wall" is the best of the repeats in wall-clock time, "cpu" the best
+in thread CPU time (the two differ when the machine is shared). The last table times a whole
+Llama-3-8B-like 2k-token prompt (8 layers x 8 KV heads x 128 = 33.5M elements).
+
+Run pinned to one core (engines are pinned too)::
+
+    taskset -c 1 python bench/cpu_codec.py
+    taskset -c 1 python bench/cpu_codec.py --head-dims 128 --presets tq4,k8v4 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from turbowire.codec import Codec, list_presets
+from turbowire.kernels import (
+    DecodeItem,
+    EncodeItem,
+    PagedKVLayout,
+    cpu_dispatch,
+    decode_into,
+    encode_into,
+)
+
+CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Rate:
+    wall: float  # elements per second
+    cpu: float
+
+
+def best_rate(fn: Callable[[], object], elements: int, repeats: int) -> Rate:
+    fn()  # warm-up (tables, page faults)
+    wall = cpu = float("inf")
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        fn()
+        wall = min(wall, time.perf_counter() - w0)
+        cpu = min(cpu, time.thread_time() - c0)
+    return Rate(elements / wall, elements / max(cpu, 1e-9))
+
+
+@dataclass
+class Case:
+    """One layer's paged cache with ``tokens`` tokens and its chunked encode/decode items."""
+
+    codec: Codec
+    cache: torch.Tensor
+    layout: PagedKVLayout
+    enc: list[EncodeItem]
+    dec: list[DecodeItem]
+    staging: torch.Tensor
+    elements: int
+
+    @classmethod
+    def build(
+        cls, preset: str, dim: int, tokens: int, heads: int, block_size: int, seed: int = 0
+    ) -> Case:
+        g = torch.Generator().manual_seed(seed)
+        nb = tokens // block_size + 2
+        cache = torch.randn(nb, heads, block_size, 2 * dim, generator=g)
+        cache[..., 3] += 8.0  # a key outlier channel with an offset, as real keys have
+        cache = cache.to(torch.bfloat16)
+        layout = PagedKVLayout.from_cache(cache)
+        codec = Codec(preset, dim, num_layers=8)
+        ids = torch.randperm(nb, generator=g)[: (tokens + block_size - 1) // block_size].tolist()
+        enc, off = [], 0
+        for start in range(0, tokens, CHUNK):
+            n = min(CHUNK, tokens - start)
+            enc.append(EncodeItem(ids, start, n, off, tag=7))
+            off += (codec.encoded_nbytes(3, n, heads, start) + 63) // 64 * 64
+        staging = torch.zeros(off, dtype=torch.uint8)
+        sizes = encode_into(codec, 3, cache, layout, enc, staging, impl="cpu")
+        dec = [
+            DecodeItem(ids, e.token_start, e.num_tokens, e.out_offset, s, 7)
+            for e, s in zip(enc, sizes, strict=True)
+        ]
+        return cls(codec, cache, layout, enc, dec, staging, 2 * tokens * heads * dim)
+
+    def encode(self, impl: str) -> None:
+        encode_into(self.codec, 3, self.cache, self.layout, self.enc, self.staging, impl=impl)
+
+    def decode(self, impl: str, dst: torch.Tensor) -> None:
+        decode_into(self.codec, 3, dst, self.layout, self.dec, self.staging, impl=impl)
+
+
+def encode_all(cases: list[Case]) -> None:
+    for c in cases:
+        c.encode("cpu")
+
+
+def decode_all(cases: list[Case], dsts: list[torch.Tensor]) -> None:
+    for c, d in zip(cases, dsts, strict=True):
+        c.decode("cpu", d)
+
+
+def fmt(rate: float) -> str:
+    return f"{rate / 1e6:,.1f}"
+
+
+def gbs(rate: float) -> str:
+    return f"{rate * 2 / 1e9:.2f}"  # bf16: 2 bytes per dense element
+
+
+def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
+    rows: list[list[str]] = []
+    for dim in args.head_dims:
+        for preset in args.presets:
+            c = Case.build(preset, dim, args.tokens, args.heads, args.block_size)
+            r = Case.build(preset, dim, args.ref_tokens, args.heads, args.block_size)
+            dst_c, dst_r = torch.empty_like(c.cache), torch.empty_like(r.cache)
+            ce = best_rate(partial(c.encode, "cpu"), c.elements, args.repeats)
+            cd = best_rate(partial(c.decode, "cpu", dst_c), c.elements, args.repeats)
+            re = best_rate(partial(r.encode, "reference"), r.elements, args.ref_repeats)
+            rd = best_rate(partial(r.decode, "reference", dst_r), r.elements, args.ref_repeats)
+            rows.append(
+                [
+                    f"hd{dim}",
+                    preset,
+                    fmt(re.wall),
+                    fmt(ce.wall),
+                    fmt(ce.cpu),
+                    gbs(ce.wall),
+                    f"{ce.wall / re.wall:.0f}x",
+                    fmt(rd.wall),
+                    fmt(cd.wall),
+                    fmt(cd.cpu),
+                    gbs(cd.wall),
+                    f"{cd.wall / rd.wall:.0f}x",
+                ]
+            )
+    prompt_rows: list[list[str]] = []
+    for preset in args.prompt_presets:
+        cases = [
+            Case.build(preset, 128, 2048, 8, args.block_size, seed=layer) for layer in range(8)
+        ]
+        dsts = [torch.empty_like(c.cache) for c in cases]
+        elements = sum(c.elements for c in cases)
+        enc = best_rate(partial(encode_all, cases), elements, args.repeats)
+        dec = best_rate(partial(decode_all, cases, dsts), elements, args.repeats)
+        wire = sum(sum(i.nbytes for i in c.dec) for c in cases)
+        link = wire * 8 / 1e9  # seconds on a 1 Gbit/s link
+        prompt_rows.append(
+            [
+                preset,
+                f"{elements / 1e6:.1f}M",
+                f"{wire / 1e6:.1f} MB",
+                f"{elements * 2 / wire:.2f}x",
+                f"{elements / enc.wall * 1e3:.0f} ms ({elements / enc.cpu * 1e3:.0f})",
+                f"{elements / dec.wall * 1e3:.0f} ms ({elements / dec.cpu * 1e3:.0f})",
+                f"{link * 1e3:.0f} ms",
+                f"{elements * 2 * 8 / 1e9 * 1e3:.0f} ms",
+            ]
+        )
+    return rows, prompt_rows
+
+
+HEAD = [
+    "hd",
+    "preset",
+    "ref enc M/s",
+    "C enc M/s",
+    "C enc M/s (cpu)",
+    "C enc GB/s",
+    "enc x",
+    "ref dec M/s",
+    "C dec M/s",
+    "C dec M/s (cpu)",
+    "C dec GB/s",
+    "dec x",
+]
+PROMPT_HEAD = [
+    "preset",
+    "KV elements",
+    "wire bytes",
+    "ratio",
+    "C encode wall (cpu)",
+    "C decode wall (cpu)",
+    "wire @1 Gbit/s",
+    "dense bf16 @1 Gbit/s",
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--presets", default=",".join(list_presets()), help="comma-separated presets")
+    p.add_argument("--head-dims", default="64,128", help="comma-separated head dims")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per layer for the C path")
+    p.add_argument("--ref-tokens", type=int, default=512, help="tokens per layer for the reference")
+    p.add_argument("--heads", type=int, default=8, help="KV heads")
+    p.add_argument("--block-size", type=int, default=16, help="paged cache block size")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--ref-repeats", type=int, default=2)
+    p.add_argument(
+        "--prompt-presets", default="tq4,k8v4,tq3", help="presets of the 2k-prompt table"
+    )
+    p.add_argument(
+        "--markdown", action="store_true", help="also print Markdown tables for bench/RESULTS.md"
+    )
+    args = p.parse_args()
+    args.presets = [s for s in args.presets.split(",") if s]
+    args.prompt_presets = [s for s in args.prompt_presets.split(",") if s]
+    args.head_dims = [int(d) for d in args.head_dims.split(",") if d]
+    torch.set_num_threads(1)
+    if not cpu_dispatch.available():
+        raise SystemExit("the C codec is not built: pip install --no-build-isolation -e .")
+    console = Console(width=200)
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"affinity {affinity}, ISA {cpu_dispatch.isa()}, "
+        f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}"
+    )
+    console.print(f"[bold]CPU codec[/bold]  {machine}")
+    rows, prompt_rows = run(args)
+    for title, head, body in [
+        ("per layer (chunks of 256 tokens, bf16 cache)", HEAD, rows),
+        ("2k-token prompt, 8 layers x 8 KV heads x 128", PROMPT_HEAD, prompt_rows),
+    ]:
+        table = Table(title=title)
+        for h in head:
+            table.add_column(h, justify="right")
+        for r in body:
+            table.add_row(*r)
+        console.print(table)
+        if args.markdown:
+            print("| " + " | ".join(head) + " |")
+            print("|" + "---|" * len(head))
+            for r in body:
+                print("| " + " | ".join(r) + " |")
+            print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Build of the C codec extension (kernels/cpu/); all other metadata lives in pyproject.toml.
+
+The flags are part of the codec's contract: no FMA contraction, no fast-math (the encoded bytes
+must equal the reference's). ISA variants are chosen at run time inside the library, so the build
+itself targets the compiler's default CPU and the wheel runs anywhere. ``optional=True``: without
+a compiler the install still succeeds and CPU caches use the reference codec (one warning).
+"""
+
+from setuptools import Extension, setup
+
+CPU_DIR = "kernels/cpu"
+SOURCES = [
+    f"{CPU_DIR}/{name}"
+    for name in ("twcpu.c", "twcpu_base.c", "twcpu_v2.c", "twcpu_v3.c", "twcpu_module.c")
+]
+HEADERS = [f"{CPU_DIR}/twcpu.h", f"{CPU_DIR}/twcpu_impl.h"]
+CFLAGS = [
+    "-std=c11",
+    "-O3",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-fno-math-errno",
+    "-fno-strict-aliasing",
+    "-Wno-sign-compare",
+]
+
+setup(
+    ext_modules=[
+        Extension(
+            "turbowire.kernels._twcpu",
+            sources=SOURCES,
+            depends=HEADERS,
+            include_dirs=[CPU_DIR],
+            extra_compile_args=CFLAGS,
+            libraries=["m"],
+            optional=True,
+        )
+    ]
+)
