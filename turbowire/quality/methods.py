@@ -41,14 +41,35 @@ class CodecMethod:
         self.codec = Codec(self.preset, self.head_dim, self.num_layers, self.chunk_tokens)
 
     def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        ks, vs, nbytes = [], [], 0
-        for t0 in range(0, k.shape[0], self.chunk_tokens):
-            enc = self.codec.encode(layer, k[t0 : t0 + self.chunk_tokens], v[t0 : t0 + self.chunk_tokens], token_offset=t0)
-            nbytes += enc.nbytes
-            kk, vv = self.codec.decode(layer, enc.data)
-            ks.append(kk)
-            vs.append(vv)
-        return torch.cat(ks), torch.cat(vs), nbytes
+        """Encode/decode [T, H, D] through the kernels' dispatch: the C codec when it is built
+        (same bytes as the reference, tests/unit/test_kernels_cpu.py), else the reference."""
+        from turbowire.kernels import DecodeItem, EncodeItem, PagedKVLayout, decode_into, encode_into
+
+        num_tokens, heads, dim = k.shape
+        chunk = self.chunk_tokens
+        num_chunks = -(-num_tokens // chunk)
+        # one paged block per chunk, in vLLM's CPU cache layout [blocks, H, block, 2*D]
+        cache = torch.zeros(num_chunks, heads, chunk, 2 * dim, dtype=k.dtype)
+        flat = cache.permute(0, 2, 1, 3).reshape(num_chunks * chunk, heads, 2 * dim)
+        flat[:num_tokens, :, :dim] = k
+        flat[:num_tokens, :, dim:] = v
+        cache = flat.reshape(num_chunks, chunk, heads, 2 * dim).permute(0, 2, 1, 3).contiguous()
+        layout = PagedKVLayout.from_cache(cache, head_dim=dim)
+        blocks = list(range(num_chunks))
+        enc_items, dec_items, offset = [], [], 0
+        for i in range(num_chunks):
+            t0 = i * chunk
+            n = min(chunk, num_tokens - t0)
+            size = self.codec.encoded_nbytes(layer, n, heads, token_offset=t0)
+            enc_items.append(EncodeItem(blocks, t0, n, offset))
+            dec_items.append(DecodeItem(blocks, t0, n, offset, size))
+            offset += size
+        staging = torch.empty(offset, dtype=torch.uint8)
+        written = encode_into(self.codec, layer, cache, layout, enc_items, staging)
+        out = torch.zeros_like(cache)
+        decode_into(self.codec, layer, out, layout, dec_items, staging)
+        flat = out.permute(0, 2, 1, 3).reshape(num_chunks * chunk, heads, 2 * dim)[:num_tokens]
+        return flat[..., :dim].clone(), flat[..., dim:].clone(), int(sum(written))
 
 
 # ---- simulated formats ----------------------------------------------------------------------
