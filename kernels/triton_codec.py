@@ -1,11 +1,12 @@
 """Triton kernels of the codec fused with vLLM's paged KV layouts (encode, verify, decode).
 
 Every kernel program owns one (chunk, stream, KV head) and walks the chunk's tokens in tiles of
-``BT`` rows; each row (one token's vector of one head) lives in ONE thread (``L`` = 1) or in ``L``
-neighbouring lanes (head_dim 256), loaded straight from the paged cache through the block table.
-With a whole row in registers the randomized Hadamard butterfly, the pairwise norm folds and the
-bit-plane packing are register-only work: no shared memory, no shuffles (except the one or two
-top butterfly stages when ``L`` > 1).
+``BT`` rows; each row (one token's vector of one head) lives in ``L`` neighbouring lanes (``L`` = 1:
+one thread; the launch default is head_dim/32 lanes, KernelConfig.lanes_for), loaded straight from
+the paged cache through the block table. With a row's C = D/L coordinates in registers the
+randomized Hadamard butterfly, the pairwise norm folds and the bit-plane packing are register-only
+work except the log2(L) top butterfly stages and folds across lanes. (On the H200 this layout is
+not coalesced: a warp-wide 16-byte access touches up to 32 rows; see bench/RESULTS.md.)
 
 Bit-exactness with ``turbowire.codec`` rests on doing the reference's fp32 operations in the
 same order (FORMAT.md "Encode numerics"): the butterfly stages h = 1, 2, 4, ... (a recursive split

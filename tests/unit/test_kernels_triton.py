@@ -97,6 +97,9 @@ CASES = {
                                          heads=1),
     "k3v2-d128-offset-lanes2": Case("k3v2", 128, "LBNHC", 16, torch.bfloat16, ((5, 30),),
                                     KernelConfig(num_warps=1, tile_rows=16, lanes=2), heads=1),
+    # a whole row per thread (the defaults spread rows over head_dim/32 lanes)
+    "tq3-d64-lanes1": Case("tq3", 64, "LBHNC", 16, torch.bfloat16, ((0, 21),),
+                           KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1), heads=1),
     "bits1-bits6-d64": Case(
         custom(StreamSpec("lloyd", bits=1, center=True, sink_tokens=1),
                StreamSpec("lloyd", bits=6), 101),
