@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -156,14 +158,45 @@ def _detect_cached(dtype: torch.dtype, heads: int, bs: int, d: int) -> tuple[str
 
 
 # ---- a contiguous detour so the codec's fast paths apply ----------------------------------
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A per-thread scratch buffer reused across calls: a fresh allocation per layer paid its
+    page faults on every step (about as much time as the codec itself)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        buf = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+        _SCRATCH.buf = buf
+    return buf[:numel]
+
+
+def _distinct_tables(items: list) -> tuple[list[list[int]], list[int]]:
+    """The distinct block tables of the items (a request's chunks all carry the request's whole
+    table: copying it per chunk made the scratch quadratic in the request length) and, per item,
+    the index of its table."""
+    seen: dict[int, tuple[Any, int]] = {}
+    tables: list[list[int]] = []
+    which: list[int] = []
+    for it in items:
+        hit = seen.get(id(it.block_ids))
+        if hit is None or hit[0] is not it.block_ids:
+            ids = it.block_ids
+            ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids
+            hit = seen[id(it.block_ids)] = (it.block_ids, len(tables))
+            tables.append([int(b) for b in ids])
+        which.append(hit[1])
+    return tables, which
+
+
 def _packed_copy(
     cache: torch.Tensor, layout: CpuAttnKVLayout, tables: list[list[int]], needed: list[set[int]]
 ) -> tuple[torch.Tensor, PagedKVLayout, list[list[int]]]:
     """Copy the needed blocks into a scratch cache with K|V per token (unit-stride head_dim),
-    the layout the codec kernels are fastest on. Request r's table maps onto its own segment."""
+    the layout the codec kernels are fastest on. Table r maps onto its own segment."""
     total = sum(len(t) for t in tables)
     h, bs, d = layout.num_heads, layout.block_size, layout.head_dim
-    scratch = torch.empty(total, h, bs, 2 * d, dtype=cache.dtype, device=cache.device)
+    scratch = _scratch(total * h * bs * 2 * d, cache).view(total, h, bs, 2 * d)
     k_view, v_view = layout.views(cache)
     mapped: list[list[int]] = []
     src: list[int] = []
@@ -189,18 +222,19 @@ def encode_via_packed(codec, layer: int, cache: torch.Tensor, layout: CpuAttnKVL
     from turbowire.kernels import EncodeItem, encode_into
 
     bs = layout.block_size
-    tables = [list(it.block_ids) for it in items]
-    needed = [
-        set(range(it.token_start // bs, (it.token_start + it.num_tokens - 1) // bs + 1))
-        for it in items
-    ]
-    for table, want in zip(tables, needed, strict=True):
-        if max(want) >= len(table):
-            raise IndexError(f"block table of {len(table)} blocks does not cover block {max(want)}")
+    tables, which = _distinct_tables(items)
+    needed: list[set[int]] = [set() for _ in tables]
+    for it, r in zip(items, which, strict=True):
+        if it.num_tokens <= 0 or it.token_start < 0:
+            raise IndexError(f"bad token range start={it.token_start} count={it.num_tokens}")
+        last = (it.token_start + it.num_tokens - 1) // bs
+        if last >= len(tables[r]):
+            raise IndexError(f"block table of {len(tables[r])} blocks does not cover block {last}")
+        needed[r].update(range(it.token_start // bs, last + 1))
     scratch, slayout, mapped = _packed_copy(cache, layout, tables, needed)
     moved = [
-        EncodeItem(m, it.token_start, it.num_tokens, it.out_offset, it.tag)
-        for m, it in zip(mapped, items, strict=True)
+        EncodeItem(mapped[r], it.token_start, it.num_tokens, it.out_offset, it.tag)
+        for it, r in zip(items, which, strict=True)
     ]
     return encode_into(codec, layer, scratch, slayout, moved, staging)
 
@@ -208,18 +242,33 @@ def encode_via_packed(codec, layer: int, cache: torch.Tensor, layout: CpuAttnKVL
 def decode_via_packed(codec, layer: int, cache: torch.Tensor, layout: CpuAttnKVLayout,
                       items: list, source: torch.Tensor) -> None:
     """``decode_into`` for a CPU attention cache: verify+decode every item into a scratch copy,
-    then write only the decoded tokens into the real cache."""
+    then write only the decoded tokens into the real cache (one indexed copy for all items)."""
     from turbowire.kernels import DecodeItem, decode_into
 
-    tables = [list(it.block_ids) for it in items]
+    tables, which = _distinct_tables(items)
     for table in tables:  # bounds-check the real destination before anything is decoded
         layout.token_index(table, 0, len(table) * layout.block_size)
-    scratch, slayout, mapped = _packed_copy(cache, layout, tables, [set() for _ in items])
+    scratch, slayout, mapped = _packed_copy(cache, layout, tables, [set() for _ in tables])
     moved = [
-        DecodeItem(m, it.token_start, it.num_tokens, it.in_offset, it.nbytes, it.expected_tag)
-        for m, it in zip(mapped, items, strict=True)
+        DecodeItem(mapped[r], it.token_start, it.num_tokens, it.in_offset, it.nbytes,
+                   it.expected_tag)
+        for it, r in zip(items, which, strict=True)
     ]
     decode_into(codec, layer, scratch, slayout, moved, source)
-    for m, table, it in zip(mapped, tables, items, strict=True):
-        k, v = slayout.gather(scratch, m, it.token_start, it.num_tokens)
-        layout.scatter(cache, table, it.token_start, k, v)
+    if not items:
+        return
+    bs = layout.block_size
+    tok = torch.cat([torch.arange(it.token_start, it.token_start + it.num_tokens) for it in items])
+    blk = tok // bs
+    slot = tok % bs
+    owner = torch.repeat_interleave(
+        torch.tensor(which), torch.tensor([it.num_tokens for it in items])
+    )
+    dst_tables = torch.cat([torch.tensor(t, dtype=torch.long) for t in tables])
+    src_tables = torch.cat([torch.tensor(m, dtype=torch.long) for m in mapped])
+    firsts = torch.tensor([0] + [len(t) for t in tables[:-1]]).cumsum(0)
+    row = firsts[owner] + blk
+    ks, vs = slayout.views(scratch)
+    kc, vc = layout.views(cache)
+    kc[dst_tables[row], slot] = ks[src_tables[row], slot]
+    vc[dst_tables[row], slot] = vs[src_tables[row], slot]

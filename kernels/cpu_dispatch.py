@@ -361,8 +361,12 @@ def _items(
 ) -> tuple[Any, list[np.ndarray]]:
     arr = (_Item * max(1, len(entries)))()
     keep = []
+    converted: dict[int, tuple[Any, np.ndarray]] = {}  # the chunks of a request share its list
     for i, e in enumerate(entries):
-        ids = _ids(e.block_ids)
+        hit = converted.get(id(e.block_ids))
+        if hit is None or hit[0] is not e.block_ids:
+            hit = converted[id(e.block_ids)] = (e.block_ids, _ids(e.block_ids))
+        ids = hit[1]
         keep.append(ids)
         it = arr[i]
         it.block_ids = ids.ctypes.data if ids.size else None

@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -242,22 +242,52 @@ def _block_list(block_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return [int(b) for b in block_ids]
 
 
-def _check_blocks(layout: PagedKVLayout, ids: list[int], token_start: int, num_tokens: int) -> None:
-    """Same refusals as PagedKVLayout.token_index (ids may come from a remote peer)."""
+def _check_tokens(layout: PagedKVLayout, num_ids: int, token_start: int, num_tokens: int) -> None:
     if num_tokens <= 0 or token_start < 0:
         raise BlockIndexError(f"bad token range start={token_start} count={num_tokens}")
     last = token_start + num_tokens - 1
-    if last // layout.block_size >= len(ids):
+    if last // layout.block_size >= num_ids:
         raise BlockIndexError(
             f"tokens up to {last} need {last // layout.block_size + 1} blocks, "
-            f"{len(ids)} block ids given"
+            f"{num_ids} block ids given"
         )
+
+
+def _check_block_ids(layout: PagedKVLayout, ids: list[int]) -> None:
     if ids and (min(ids) < 0 or max(ids) >= layout.num_blocks):
         raise BlockIndexError(
             f"block ids must be in 0..{layout.num_blocks - 1}, got {min(ids)}..{max(ids)}"
         )
     if len(set(ids)) != len(ids):
         raise BlockIndexError("repeated block ids in one request")
+
+
+class _BlockTable:
+    """The block ids of one launch, each distinct block list stored and validated once.
+
+    The chunks of one request all carry the request's whole block list (the kernel finds a
+    chunk's blocks from its token_start), so converting, validating and appending that list per
+    chunk made plan building quadratic in the request length (2048 blocks x 128 chunks x 32
+    layers took seconds of host time for a 32k-token request). Lists are recognised by object
+    identity: the items keep them alive while the plan is built."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self._seen: dict[int, tuple[Any, int, list[int], PagedKVLayout]] = {}
+
+    def add(self, layout: PagedKVLayout, block_ids: Sequence[int] | torch.Tensor, token_start: int,
+            num_tokens: int) -> tuple[int, list[int]]:
+        """Offset of this list in the table (validated for these tokens) and the list itself."""
+        hit = self._seen.get(id(block_ids))
+        if hit is None or hit[0] is not block_ids or hit[3] is not layout:
+            ids = _block_list(block_ids)
+            _check_block_ids(layout, ids)  # same refusals as PagedKVLayout.token_index
+            hit = (block_ids, len(self.ids), ids, layout)
+            self._seen[id(block_ids)] = hit
+            self.ids.extend(ids)
+        _, offset, ids, _ = hit
+        _check_tokens(layout, len(ids), token_start, num_tokens)
+        return offset, ids
 
 
 def _check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None:
@@ -319,7 +349,7 @@ class _Launch:
     """Items of one launch (one layer policy): rows of the int64 table and flat block ids."""
 
     rows: list[list[int]]
-    blocks: list[int]
+    blocks: _BlockTable = field(default_factory=_BlockTable)
     max_tiles: int = 1
 
 
@@ -374,11 +404,11 @@ class EncodePlan:
             if strides is not None and geom.strides != strides:
                 raise CacheLayoutError("all layers of one call must share cache strides")
             strides = geom.strides
-            launch = launches.setdefault(_group_key(codec, layer), _Launch([], []))
+            launch = launches.setdefault(_group_key(codec, layer), _Launch([]))
             sizes = []
             for item in items:
-                ids = _block_list(item.block_ids)
-                _check_blocks(layout, ids, item.token_start, item.num_tokens)
+                blk0, _ids = launch.blocks.add(layout, item.block_ids, item.token_start,
+                                               item.num_tokens)
                 if item.num_tokens > (1 << 16):
                     raise GeometryError(f"a chunk holds at most 65536 tokens, got {item.num_tokens}")
                 if not 0 <= item.tag < 1 << 64:
@@ -391,10 +421,9 @@ class EncodePlan:
                 launch.max_tiles = max(launch.max_tiles, max(p // bt, 1))
                 launch.rows.append([
                     geom.k_off, geom.v_off, item.token_start, item.num_tokens, p, item.out_offset,
-                    len(launch.blocks), item.tag & 0xFFFFFFFF, item.tag >> 32, layer,
+                    blk0, item.tag & 0xFFFFFFFF, item.tag >> 32, layer,
                     nbytes - HEADER_BYTES, kbytes,
                 ])
-                launch.blocks.extend(ids)
                 sizes.append(nbytes)
             self.written.append(sizes)
         _check_disjoint(spans)
@@ -411,7 +440,7 @@ class EncodePlan:
             if lv > _MAX_LEVELS:
                 raise GeometryError("chunk too long for the Triton chunk-mean fold")
             table = torch.tensor(launch.rows, dtype=torch.int64).to(device)
-            blocks = torch.tensor(launch.blocks or [0], dtype=torch.int32).to(device)
+            blocks = torch.tensor(launch.blocks.ids or [0], dtype=torch.int32).to(device)
             acc = torch.zeros(2 * n, dtype=torch.int32, device=device)
             consts = {**_stream_consts(kspec, dim).prefixed("K"),
                       **_stream_consts(vspec, dim).prefixed("V")}
@@ -468,7 +497,7 @@ class DecodePlan:
             if strides is not None and geom.strides != strides:
                 raise CacheLayoutError("all layers of one call must share cache strides")
             strides = geom.strides
-            launch = launches.setdefault(_group_key(codec, layer), _Launch([], []))
+            launch = launches.setdefault(_group_key(codec, layer), _Launch([]))
             spans = slot_spans.setdefault(cache.data_ptr(), [])
             for item in items:
                 if item.nbytes < HEADER_BYTES:
@@ -476,8 +505,8 @@ class DecodePlan:
                         f"payload has {item.nbytes} bytes, a chunk header alone has {HEADER_BYTES}"
                     )
                 _check_range(source, item.in_offset, item.nbytes, "source")
-                ids = _block_list(item.block_ids)
-                _check_blocks(layout, ids, item.token_start, item.num_tokens)
+                blk0, ids = launch.blocks.add(layout, item.block_ids, item.token_start,
+                                              item.num_tokens)
                 spans.extend(_slot_spans(layout, ids, item.token_start, item.num_tokens))
                 if not 0 < item.num_tokens <= (1 << 16):
                     raise GeometryError(f"a chunk holds 1..65536 tokens, got {item.num_tokens}")
@@ -489,11 +518,10 @@ class DecodePlan:
                 body = nbytes - HEADER_BYTES
                 row = [
                     geom.k_off, geom.v_off, item.token_start, item.num_tokens, item.in_offset,
-                    item.nbytes, len(launch.blocks), (tag or 0) & 0xFFFFFFFF, (tag or 0) >> 32,
+                    item.nbytes, blk0, (tag or 0) & 0xFFFFFFFF, (tag or 0) >> 32,
                     int(tag is not None), layer, body, kbytes, max(1, -(-(body // 4) // vw)),
                 ]
                 launch.rows.append(row)
-                launch.blocks.extend(ids)
                 all_rows.append(row)
                 self._refs.append((layer, item, layout))
         for spans in slot_spans.values():
@@ -522,7 +550,7 @@ class DecodePlan:
             if n == 0:
                 continue
             table = torch.tensor(launch.rows, dtype=torch.int64).to(device)
-            blocks = torch.tensor(launch.blocks or [0], dtype=torch.int32).to(device)
+            blocks = torch.tensor(launch.blocks.ids or [0], dtype=torch.int32).to(device)
             consts = {**_stream_consts(kspec, dim).prefixed("K"),
                       **_stream_consts(vspec, dim).prefixed("V")}
             self._calls.append((
