@@ -257,17 +257,20 @@ class TurboWireScheduler:
         """Dense blocks are always freed now (False); the compressed copy waits under a lease."""
         req_id = request.request_id
         params = request.kv_transfer_params
-        self._parsed.pop(req_id, None)
         if self.is_consumer and is_remote_prefill(params):
             self._stop_heartbeat(req_id)
             if req_id not in self._load_queued:
-                # Aborted before it was scheduled: the prefill engine still waits for a release.
+                # Aborted before it was scheduled, or its params were refused: the prefill engine
+                # still waits for a release. The cached parse is reused (a fresh one would count
+                # a refusal twice), then dropped.
                 self._queue_release_only(request)
+            self._parsed.pop(req_id, None)
             self._load_queued.discard(req_id)
             report = self._reports.pop(req_id, None)
             if report is not None:
                 return False, {"turbowire_load": report.as_params()}
             return False, None
+        self._parsed.pop(req_id, None)
         state = self._send.pop(req_id, None)
         if state is None:
             return False, None

@@ -202,6 +202,23 @@ def test_decode_side_refusals_still_release_the_lease():
     sched.shutdown()
 
 
+def test_a_refused_request_is_counted_once_through_its_whole_life():
+    """get_num_new_matched_tokens, the allocation and request_finished all look at the params;
+    the refusal is one failure, not one per look (request_finished used to re-parse)."""
+    sched = make_scheduler()
+    malformed = request("d6", 100, _remote_params(100, remote_port="x"))
+    sched.on_new_request(malformed)
+    assert sched.get_num_new_matched_tokens(malformed, 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(malformed, 0) == (0, False)
+    sched.update_state_after_alloc(malformed, _blocks([1, 2, 3, 4], 0), 0)
+    step(sched, {})
+    sched.request_finished(malformed, [1, 2, 3, 4])
+    counters = sched.get_stats().data["counters"]
+    bad = {k: v for k, v in counters.items() if "reason=bad_params" in k}
+    assert sum(bad.values()) == 1, bad
+    sched.shutdown()
+
+
 def test_decode_request_aborted_before_scheduling_releases():
     sched = make_scheduler()
     req = request("d5", 70, _remote_params(70))
