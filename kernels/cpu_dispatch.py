@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 1  # must equal TW_ABI_VERSION in kernels/cpu/twcpu.h
+ABI_VERSION = 2  # must equal TW_ABI_VERSION in kernels/cpu/twcpu.h
 MODULE = "turbowire.kernels._twcpu"
 ISA_NAMES = {0: "base", 2: "x86-64-v2", 3: "x86-64-v3"}
 _ISA_CODES = {"base": 0, "v2": 2, "x86-64-v2": 2, "v3": 3, "x86-64-v3": 3}
@@ -100,8 +100,8 @@ class _Cache(ctypes.Structure):
     _fields_ = [
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
-        ("k_stride", ctypes.c_int64 * 3),
-        ("v_stride", ctypes.c_int64 * 3),
+        ("k_stride", ctypes.c_int64 * 4),
+        ("v_stride", ctypes.c_int64 * 4),
         ("num_blocks", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
         ("num_heads", ctypes.c_int64),
@@ -257,15 +257,17 @@ def _why_not(
     if layout.head_dim != codec.head_dim or codec.head_dim not in (64, 128, 256):
         return f"cache head_dim {layout.head_dim} does not match the codec's {codec.head_dim}"
     k, v = layout.views(kv_cache)
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape != v.shape:
-        return "the K/V views do not have unit stride along head_dim"
+    if k.shape != v.shape or k.dim() != 4:
+        return "the K/V views are not [blocks, slots, heads, head_dim] of one shape"
+    if min(k.stride()) < 1 or min(v.stride()) < 1:
+        return "the K/V views have a zero or negative stride"
     if not available():
         return "the C library is not built or disabled (see the warning logged at load)"
     return None
 
 
 def applies(codec: Codec, kv_cache: torch.Tensor, layout: PagedKVLayout, buf: torch.Tensor) -> bool:
-    """Whether the C path serves this call: a CPU bf16/fp16 cache with unit-stride head_dim, a
+    """Whether the C path serves this call: a CPU bf16/fp16 cache (any positive strides), a
     flat contiguous CPU uint8 buffer, and a built library (anything else: the reference)."""
     return _why_not(codec, kv_cache, layout, buf) is None
 
@@ -343,8 +345,9 @@ def _cache_struct(kv_cache: torch.Tensor, layout: PagedKVLayout) -> _Cache:
         num_heads=layout.num_heads,
         dtype=DTYPE_CODES[kv_cache.dtype],
     )
-    # views are [blocks, slots, heads, dim]; the C side takes block, slot, head strides
-    for i in range(3):
+    # views are [blocks, slots, heads, dim]; the C side takes all four strides (a dim stride
+    # other than 1 is vLLM CPU attention's per-block transposed keys, gathered row by row)
+    for i in range(4):
         c.k_stride[i] = k.stride(i)
         c.v_stride[i] = v.stride(i)
     return c

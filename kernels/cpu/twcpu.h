@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define TW_ABI_VERSION 1
+#define TW_ABI_VERSION 2
 
 /* stream kinds (StreamSpec.kind) */
 enum { TW_RAW = 0, TW_FP8 = 1, TW_LLOYD = 2 };
@@ -55,8 +55,10 @@ typedef struct {
 
 typedef struct {
     uint16_t *k, *v;          /* first element of the K / V views [blocks, slots, heads, dim] */
-    int64_t k_stride[3];      /* block, slot, head strides in elements; dim stride is 1 */
-    int64_t v_stride[3];
+    int64_t k_stride[4];      /* block, slot, head, dim strides in elements (vLLM's CPU
+                                 attention keeps keys transposed per block: dim stride = block
+                                 size, slot stride 1) */
+    int64_t v_stride[4];
     int64_t num_blocks, block_size, num_heads;
     int32_t dtype;            /* TW_BF16 / TW_F16 */
     int32_t _pad;

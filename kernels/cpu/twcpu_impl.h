@@ -413,6 +413,44 @@ TW_AI uint16_t *cache_row_mut(const tw_stream_ctx *s, int64_t t, int64_t h) {
     return (uint16_t *)cache_row(s, t, h);
 }
 
+TW_AI int64_t dim_stride(const tw_stream_ctx *s) {
+    return s->kv ? s->cache->v_stride[3] : s->cache->k_stride[3];
+}
+
+/* A cache row as D contiguous elements: the row itself (unit dim stride) or gathered into tmp
+ * (keys stored transposed per block: the encoder then needs no scratch copy of the cache). */
+TW_AI const uint16_t *row_in(const tw_stream_ctx *s, int64_t t, int64_t h, uint16_t *tmp) {
+    const uint16_t *p = cache_row(s, t, h);
+    const int64_t ds = dim_stride(s);
+    if (ds == 1) return p;
+    for (int64_t i = 0; i < s->D; i++) tmp[i] = p[i * ds];
+    return tmp;
+}
+
+/* Where a decoded row is stored: the cache row itself, or tmp to be scattered by row_commit. */
+TW_AI uint16_t *row_out(const tw_stream_ctx *s, int64_t t, int64_t h, uint16_t *tmp) {
+    return dim_stride(s) == 1 ? cache_row_mut(s, t, h) : tmp;
+}
+
+/* The i-th row visited: token-major (t, h) for unit dim stride, head-major otherwise, so a
+ * transposed key tile ([D, block_size] per head) stays in L1 while its tokens are visited. */
+TW_AI void row_at(const tw_stream_ctx *s, int64_t i, int64_t *t, int64_t *h) {
+    if (dim_stride(s) == 1) {
+        *t = i / s->H;
+        *h = i - *t * s->H;
+    } else {
+        *h = i / s->T;
+        *t = i - *h * s->T;
+    }
+}
+
+TW_AI void row_commit(const tw_stream_ctx *s, int64_t t, int64_t h, const uint16_t *tmp) {
+    const int64_t ds = dim_stride(s);
+    if (ds == 1) return;
+    uint16_t *p = cache_row_mut(s, t, h);
+    for (int64_t i = 0; i < s->D; i++) p[i * ds] = tmp[i];
+}
+
 /* code = #{k : v > B_k} (NaN compares false everywhere: code 0, as in the reference) */
 TW_AI vi count_codes(vf v, const vf *bnd, int nb) {
     vi c = {0};
@@ -508,8 +546,9 @@ static void fold_tokens(const tw_stream_ctx *s, int64_t lo, int64_t n, float *ou
         return;
     }
     if (n == 1) {
+        uint16_t tmp[256];
         for (int64_t h = 0; h < s->H; h++) {
-            const uint16_t *src = cache_row(s, lo, h);
+            const uint16_t *src = row_in(s, lo, h, tmp);
             for (int64_t j = 0; j < s->D / 8; j++) stf(out + h * s->D + 8 * j, ld_row(src + 8 * j, s->cache->dtype));
         }
         return;
@@ -547,14 +586,17 @@ static void encode_lloyd(tw_stream_ctx *s, const int D) {
             mean[i] = f16_f32(m16);
         }
     }
+    uint16_t tmp[256];
     for (int64_t t = 0; t < s->sink_rows; t++)
         for (int64_t h = 0; h < H; h++)
-            memcpy(base + s->sink_off + ((t * H + h) * D) * 2, cache_row(s, t, h), (size_t)D * 2);
-    /* token-major walk: the chunk's sections are written in order */
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t h = 0; h < H; h++) {
+            memcpy(base + s->sink_off + ((t * H + h) * D) * 2, row_in(s, t, h, tmp), (size_t)D * 2);
+    /* rows in row_at order (token-major unless keys are transposed) */
+    for (int64_t i = 0; i < T * H; i++) {
+        {
+            int64_t t, h;
+            row_at(s, i, &t, &h);
             const int64_t r = t * H + h;
-            const uint16_t *src = cache_row(s, t, h);
+            const uint16_t *src = row_in(s, t, h, tmp);
             vf x[TW_MAXV];
             if (mean) {
                 const float *m = mean + h * D;
@@ -587,10 +629,13 @@ static void encode_fp8(tw_stream_ctx *s, const int D) {
     const int64_t T = s->T, H = s->H;
     const int dtype = s->cache->dtype;
     uint8_t *base = s->base;
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t h = 0; h < H; h++) {
+    uint16_t tmp[256];
+    for (int64_t i = 0; i < T * H; i++) {
+        {
+            int64_t t, h;
+            row_at(s, i, &t, &h);
             const int64_t r = t * H + h;
-            const uint16_t *src = cache_row(s, t, h);
+            const uint16_t *src = row_in(s, t, h, tmp);
             vf x[TW_MAXV];
             vu amax = {0};
             for (int j = 0; j < nv; j++) {
@@ -620,9 +665,12 @@ static void encode_fp8(tw_stream_ctx *s, const int D) {
 
 TW_AI void encode_stream_d(tw_stream_ctx *s, const int D) {
     if (s->spec->kind == TW_RAW) {
-        for (int64_t t = 0; t < s->T; t++)
-            for (int64_t h = 0; h < s->H; h++)
-                memcpy(s->base + s->data_off + ((t * s->H + h) * D) * 2, cache_row(s, t, h), (size_t)D * 2);
+        uint16_t tmp[256];
+        for (int64_t i = 0; i < s->T * s->H; i++) {
+            int64_t t, h;
+            row_at(s, i, &t, &h);
+            memcpy(s->base + s->data_off + ((t * s->H + h) * D) * 2, row_in(s, t, h, tmp), (size_t)D * 2);
+        }
     } else if (s->spec->kind == TW_FP8) {
         encode_fp8(s, D);
     } else {
@@ -643,18 +691,22 @@ static void decode_lloyd(tw_stream_ctx *s, const int D) {
         mean = s->scratch;
         for (int64_t i = 0; i < H * D; i++) mean[i] = f16_f32(ld16(base + s->mean_off + i * 2));
     }
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t h = 0; h < H; h++) {
+    uint16_t tmp[256];
+    for (int64_t i = 0; i < T * H; i++) {
+        {
+            int64_t t, h;
+            row_at(s, i, &t, &h);
             const int64_t r = t * H + h;
-            uint16_t *out = cache_row_mut(s, t, h);
+            uint16_t *out = row_out(s, t, h, tmp);
             if (t < s->sink_rows) {
                 copy_row(base + s->sink_off + r * D * 2, src, dst, out, D);
-                continue;
+            } else {
+                const float sc = f16_f32(ld16(base + s->scales_off + r * 2));
+                vf x[TW_MAXV];
+                row(s, &tb, base + s->codes_off + r * s->row_bytes, sc, mean ? (const vf *)(mean + h * D) : NULL, nv, x);
+                for (int j = 0; j < nv; j++) st_row(out + 8 * j, x[j], src, dst);
             }
-            const float sc = f16_f32(ld16(base + s->scales_off + r * 2));
-            vf x[TW_MAXV];
-            row(s, &tb, base + s->codes_off + r * s->row_bytes, sc, mean ? (const vf *)(mean + h * D) : NULL, nv, x);
-            for (int j = 0; j < nv; j++) st_row(out + 8 * j, x[j], src, dst);
+            row_commit(s, t, h, out);
         }
     }
 }
@@ -672,27 +724,36 @@ static void decode_fp8(tw_stream_ctx *s, const int D) {
         if ((i & 0x7F) == 0x7F) v = NAN;
         lut[i] = (i & 0x80) ? -v : v;
     }
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t h = 0; h < H; h++) {
+    uint16_t tmp[256];
+    for (int64_t i = 0; i < T * H; i++) {
+        {
+            int64_t t, h;
+            row_at(s, i, &t, &h);
             const int64_t r = t * H + h;
             const vf sc = bcast(f16_f32(ld16(base + s->scales_off + r * 2)));
             const uint8_t *in = base + s->codes_off + r * D;
-            uint16_t *out = cache_row_mut(s, t, h);
+            uint16_t *out = row_out(s, t, h, tmp);
             for (int j = 0; j < nv; j++) {
                 vf v;
                 for (int l = 0; l < 8; l++) v[l] = lut[in[8 * j + l]];
                 st_row(out + 8 * j, v * sc, src, dst);
             }
+            row_commit(s, t, h, out);
         }
     }
 }
 
 TW_AI void decode_stream_d(tw_stream_ctx *s, const int D) {
     if (s->spec->kind == TW_RAW) {
-        for (int64_t t = 0; t < s->T; t++)
-            for (int64_t h = 0; h < s->H; h++)
-                copy_row(s->base + s->data_off + ((t * s->H + h) * D) * 2, s->src_dtype,
-                         s->cache->dtype, cache_row_mut(s, t, h), D);
+        uint16_t tmp[256];
+        for (int64_t i = 0; i < s->T * s->H; i++) {
+            int64_t t, h;
+            row_at(s, i, &t, &h);
+            uint16_t *out = row_out(s, t, h, tmp);
+            copy_row(s->base + s->data_off + ((t * s->H + h) * D) * 2, s->src_dtype,
+                     s->cache->dtype, out, D);
+            row_commit(s, t, h, out);
+        }
     } else if (s->spec->kind == TW_FP8) {
         decode_fp8(s, D);
     } else {

@@ -232,6 +232,36 @@ def test_gpu_shaped_cpu_caches_go_through_strides(kind: str) -> None:
     decode_both(codec, 1, cache, layout, dec, ref, got[ISAS[-1]])
 
 
+@pytest.mark.parametrize("name", ["raw", "k8v4", "tq4", "k4v3", "t-hi"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_cpu_attention_transposed_keys_are_served_in_place(name: str, dim: int) -> None:
+    """vLLM's CPU attention keeps keys as [D, block_size] per (block, head): the C path walks
+    them through the dim stride (no scratch copy) with the same bytes as the reference, and a
+    decode writes only the target tokens."""
+    from turbowire.connector.cpu_cache import CpuAttnKVLayout
+
+    codec = Codec(preset_of(name), dim, LAYERS)
+    bs, heads = 32, 3
+    cache = make_cache(9, heads, bs, dim, torch.bfloat16, seed=dim)
+    base = PagedKVLayout.from_cache(cache, head_dim=dim)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(PagedKVLayout)}
+    layout = CpuAttnKVLayout(**fields, mapping="kT_v")
+    k_view, _ = layout.views(cache)
+    assert k_view.stride(-1) == bs  # really transposed
+    assert cpu_dispatch.applies(codec, cache, layout, torch.zeros(8, dtype=torch.uint8))
+    ids = [6, 1, 4, 8]
+    second = codec.encoded_nbytes(0, 45, heads, 0) + 40
+    items = [EncodeItem(ids, 0, 45, 0, tag=3), EncodeItem(ids, 45, 60, second, tag=3)]
+    ref, sizes, got = encode_both(codec, 0, cache, layout, items)
+    for buf in got.values():
+        assert_same_chunks(ref, buf, items, sizes)
+    dec = [
+        DecodeItem([2, 7, 0, 5], i.token_start, i.num_tokens, i.out_offset, n, 3)
+        for i, n in zip(items, sizes, strict=True)
+    ]
+    decode_both(codec, 0, cache, layout, dec, ref, got[ISAS[-1]])  # guard elsewhere compared too
+
+
 # ---- randomized inputs ----------------------------------------------------------------------
 def extreme_values(
     style: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator
