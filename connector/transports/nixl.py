@@ -6,6 +6,12 @@ receive buffer. UCX is the default backend; UCX settings come from the usual env
 Descriptor arrays are (address, length, device) rows; callers bounds-check them against the
 peer's advertised geometry before calling :meth:`NixlTransport.read`, and NIXL itself refuses
 ranges outside registered memory.
+
+The agent's progress thread sleeps ``progress_delay_us`` between polls. NIXL's Python API
+hard-codes 0, and a progress thread that never sleeps burns a whole core: on an engine pinned to
+one core (vLLM on CPU) it halved the speed of everything else there, the codec included. With
+100 us it uses ~2% of a core and READs over UCX/TCP were as fast (measured in
+bench/RESULTS.md "NIXL progress thread").
 """
 
 from __future__ import annotations
@@ -38,6 +44,40 @@ def _import_nixl() -> tuple[Any, Any]:
             "nixl_cu12/nixl_cu13 variant matching this process's CUDA is present"
         ) from exc
     return nixl_agent, nixl_agent_config
+
+
+_AGENT_LOCK = threading.Lock()
+
+
+def make_agent(name: str, progress_delay_us: int) -> Any:
+    """A nixl_agent whose progress thread sleeps ``progress_delay_us`` between polls
+    (0: NIXL's default busy polling)."""
+    nixl_agent, nixl_agent_config = _import_nixl()
+    config = nixl_agent_config(backends=[])
+    if progress_delay_us == 0:
+        return nixl_agent(name, config)
+    import sys
+
+    api = sys.modules[nixl_agent.__module__]
+    bind = getattr(api, "nixlBind", None)
+    make = getattr(bind, "nixlAgent", None)
+    if make is None:
+        logger.warning(
+            "this NIXL version's Python API has no nixlBind.nixlAgent: its progress thread "
+            "busy-polls (nixl_progress_delay_us ignored)"
+        )
+        return nixl_agent(name, config)
+
+    def with_delay(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = progress_delay_us
+        return make(agent_name, agent_config)
+
+    with _AGENT_LOCK:  # the API reads nixlBind.nixlAgent while constructing
+        bind.nixlAgent = with_delay
+        try:
+            return nixl_agent(name, config)
+        finally:
+            bind.nixlAgent = make
 
 
 @dataclass
@@ -76,12 +116,11 @@ class NixlTransport:
         agent_name: str | None = None,
         backends: Sequence[str] = ("UCX",),
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
+        progress_delay_us: int = 100,
     ) -> None:
-        nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = agent_name or f"turbowire-{uuid.uuid4().hex[:12]}"
         self.backends = list(backends)
-        config = nixl_agent_config(backends=[])
-        self.agent = nixl_agent(self.agent_name, config)
+        self.agent = make_agent(self.agent_name, progress_delay_us)
         params = backend_params or {}
         for backend in self.backends:
             if backend not in self.agent.get_plugin_list():

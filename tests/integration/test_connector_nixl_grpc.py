@@ -116,3 +116,24 @@ def test_prefill_side_freed_every_slot(prefill_peer):
     _, stop, ports = prefill_peer
     stop.set()
     assert ports.get(timeout=30) == 0, "all staging slots must be free after the releases"
+
+
+@pytest.mark.parametrize("delay_us", [100])
+def test_progress_thread_does_not_busy_poll(delay_us):
+    """NIXL's Python API starts a progress thread that never sleeps (a whole core); ours sleeps
+    between polls, so an idle agent costs a few percent of a core."""
+    import resource
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    transport = NixlTransport(agent_name=f"idle-{delay_us}", progress_delay_us=delay_us)
+    try:
+        time.sleep(0.3)
+        c0, w0 = cpu(), time.monotonic()
+        time.sleep(2.0)
+        share = (cpu() - c0) / (time.monotonic() - w0)
+        assert share < 0.3, f"idle NIXL agent used {share:.2f} of a core"
+    finally:
+        transport.close()
