@@ -19,6 +19,9 @@ LOAD_FAILURE_POLICIES = ("fail", "recompute")
 DEFAULT_PRESET = "tq4"
 DEFAULT_STAGING_BYTES = 256 << 20
 DEFAULT_SIDE_CHANNEL_PORT = 5700
+DEFAULT_DECODE_PIPELINE_GROUPS = 8
+MAX_DECODE_PIPELINE_GROUPS = 256
+DEFAULT_NIXL_PROGRESS_DELAY_US = 100
 MIN_LEASE_SECONDS = 1.0
 
 KNOWN_KEYS = frozenset(
@@ -38,6 +41,8 @@ KNOWN_KEYS = frozenset(
         "handshake_timeout_seconds",
         "transfer_timeout_seconds",
         "min_transfer_tokens",
+        "decode_pipeline_groups",
+        "nixl_progress_delay_us",
     }
 )
 
@@ -122,6 +127,8 @@ class TurboWireConfig:
     handshake_timeout_seconds: float = 5.0
     transfer_timeout_seconds: float = 120.0
     min_transfer_tokens: int = 0
+    decode_pipeline_groups: int = DEFAULT_DECODE_PIPELINE_GROUPS
+    nixl_progress_delay_us: int = DEFAULT_NIXL_PROGRESS_DELAY_US
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, str) or not self.preset:
@@ -168,6 +175,16 @@ class TurboWireConfig:
                 f"load_failure_policy={self.load_failure_policy!r} is unknown: use one of "
                 f"{list(LOAD_FAILURE_POLICIES)}"
             )
+        if not 1 <= self.decode_pipeline_groups <= MAX_DECODE_PIPELINE_GROUPS:
+            raise ConnectorConfigError(
+                f"decode_pipeline_groups={self.decode_pipeline_groups} is out of range: use "
+                f"1 (one READ, decode after it) to {MAX_DECODE_PIPELINE_GROUPS}"
+            )
+        if not 0 <= self.nixl_progress_delay_us <= 1_000_000:
+            raise ConnectorConfigError(
+                f"nixl_progress_delay_us={self.nixl_progress_delay_us} is out of range: use 0 "
+                "(NIXL's busy-polling progress thread) to 1000000"
+            )
         if self.auth_token is not None and len(self.auth_token) < 8:
             raise ConnectorConfigError("auth_token is too short: use at least 8 characters")
 
@@ -210,6 +227,15 @@ class TurboWireConfig:
         if "min_transfer_tokens" in extra:
             kwargs["min_transfer_tokens"] = _parse_int(
                 "min_transfer_tokens", extra["min_transfer_tokens"], 0, 1 << 30
+            )
+        if "decode_pipeline_groups" in extra:
+            kwargs["decode_pipeline_groups"] = _parse_int(
+                "decode_pipeline_groups", extra["decode_pipeline_groups"], 1,
+                MAX_DECODE_PIPELINE_GROUPS,
+            )
+        if "nixl_progress_delay_us" in extra:
+            kwargs["nixl_progress_delay_us"] = _parse_int(
+                "nixl_progress_delay_us", extra["nixl_progress_delay_us"], 0, 1_000_000
             )
         if "side_channel_host" in extra:
             host = extra["side_channel_host"]

@@ -97,6 +97,7 @@ class LoadReport:
     transfer_seconds: float = 0.0
     decode_seconds: float = 0.0
     handshake_seconds: float = 0.0
+    wait_seconds: float = 0.0  # load queued -> READs posted
     failed: str | None = None
 
     def merge(self, other: LoadReport) -> LoadReport:
@@ -108,6 +109,7 @@ class LoadReport:
             transfer_seconds=max(self.transfer_seconds, other.transfer_seconds),
             decode_seconds=max(self.decode_seconds, other.decode_seconds),
             handshake_seconds=max(self.handshake_seconds, other.handshake_seconds),
+            wait_seconds=max(self.wait_seconds, other.wait_seconds),
             failed=self.failed or other.failed,
         )
 
@@ -119,6 +121,7 @@ class LoadReport:
             "transfer_ms": round(self.transfer_seconds * 1e3, 3),
             "decode_ms": round(self.decode_seconds * 1e3, 3),
             "handshake_ms": round(self.handshake_seconds * 1e3, 3),
+            "wait_ms": round(self.wait_seconds * 1e3, 3),
             "failed": self.failed,
         }
 

@@ -7,9 +7,11 @@ scheduler publishes them.
 
 Decode: each load handshakes with the prefill engine once (cached per peer, in a thread so the
 engine loop never blocks on the network), READs exactly the chunk bytes of the needed
-(block, layer) pairs into a receive buffer, tells the prefill engine to release its lease, then
-decodes every chunk (magic, version, preset, geometry, tag and checksum verified by the codec)
-into the blocks vLLM allocated. Any failure lands in ``failed_recving``; vLLM applies
+(block, layer) pairs into a receive buffer, one READ per group of layers
+(``decode_pipeline_groups``), and decodes every chunk of a group (magic, version, preset,
+geometry, tag and checksum verified by the codec) into the blocks vLLM allocated as soon as that
+group has landed, while the later groups are still on the wire. Once every READ is done it tells
+the prefill engine to release its lease. Any failure lands in ``failed_recving``; vLLM applies
 ``kv_load_failure_policy``.
 """
 
@@ -74,7 +76,12 @@ class LoadJob:
     recv_offset: int | None = None
     recv_nbytes: int = 0
     chunk_offsets: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
-    xfer: NixlTransfer | None = None
+    groups: list[range] = field(default_factory=list)  # layers of each READ
+    xfers: list[NixlTransfer] = field(default_factory=list)  # one per group, in group order
+    decoded: list[bool] = field(default_factory=list)
+    transferred_at: float | None = None  # when the last READ was seen done
+    decode_seconds: float = 0.0
+    wait_seconds: float = 0.0  # queued -> READs posted (handshake, receive buffer)
     posted: float = 0.0
     handshake_seconds: float = 0.0
     claim: Future | None = None
@@ -99,6 +106,19 @@ def _failure_reason(exc: BaseException) -> str:
     if "TransportError" in names:
         return "transport"
     return "internal"
+
+
+def layer_groups(num_layers: int, groups: int) -> list[range]:
+    """Split layers 0..num_layers-1 into at most ``groups`` contiguous, near-equal ranges."""
+    groups = max(1, min(groups, num_layers))
+    base, extra = divmod(num_layers, groups)
+    out: list[range] = []
+    start = 0
+    for g in range(groups):
+        size = base + (1 if g < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
 
 
 class TurboWireWorker:
@@ -179,6 +199,7 @@ class TurboWireWorker:
             agent_name=f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{id(self) & 0xFFFF:x}",
             backends=self.config.nixl_backends,
             backend_params=self.config.nixl_backend_params,
+            progress_delay_us=self.config.nixl_progress_delay_us,
         )
         if self.is_producer:
             self.staging = torch.zeros(self.layout.pool_bytes, dtype=torch.uint8, device=device)
@@ -219,10 +240,15 @@ class TurboWireWorker:
             return cpu_kv_layout(cache, self.geometry.head_dim)
         return PagedKVLayout.from_cache(cache, head_dim=self.geometry.head_dim)
 
-    @staticmethod
-    def _via_packed(layout: Any) -> bool:
-        """CPU attention caches with keys transposed go through a contiguous scratch copy."""
-        return getattr(layout, "mapping", "packed") != "packed"
+    def _via_packed(self, layout: Any, cache: torch.Tensor, buf: torch.Tensor) -> bool:
+        """CPU attention caches with keys transposed go through a contiguous scratch copy, unless
+        the C codec serves them in place (it gathers/scatters the transposed keys itself, which
+        saves the copy and the indexed write-back: about 40% of the CPU decode time)."""
+        if getattr(layout, "mapping", "packed") == "packed":
+            return False
+        from turbowire.kernels import cpu_dispatch
+
+        return not cpu_dispatch.applies(self.codec, cache, layout, buf)
 
     def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
         """Exact bytes of the chunk of request block ``block_index`` (the first block of a
@@ -297,7 +323,7 @@ class TurboWireWorker:
                 expected.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
         t0 = time.perf_counter()
         layout = self.paged_layouts[layer]
-        if self._via_packed(layout):
+        if self._via_packed(layout, cache, self.staging):
             from turbowire.connector.cpu_cache import encode_via_packed
 
             written = encode_via_packed(self.codec, layer, cache, layout, items, self.staging)
@@ -367,28 +393,37 @@ class TurboWireWorker:
                 f"load did not finish within transfer_timeout_seconds="
                 f"{self.config.transfer_timeout_seconds}",
             )
-        if job.xfer is None:
+        if not job.xfers:
             peer = self._peer_for(job)
             if peer is None:
                 return False
-            if not self._claimed(job):
-                return False
+            self._claimed(job)  # the claim's round trip runs while the READs move
             if not self._post(job, peer):
                 return False
-        state = job.xfer.state()
-        if state is TransferState.PENDING:
+        if not self._claimed(job):
+            return False  # nothing is decoded before the lease is confirmed
+        # decode every group that has landed (later groups keep moving meanwhile)
+        pending = False
+        for g, xfer in enumerate(job.xfers):
+            if job.decoded[g]:
+                continue
+            state = xfer.state()
+            if state is TransferState.PENDING:
+                pending = True
+                continue
+            if state is TransferState.FAILED:
+                raise LoadFailed("transport", f"NIXL READ of layer group {g} finished in error")
+            xfer.release()
+            job.decoded[g] = True  # even if decoding raises: the handle is released
+            job.decode_seconds += self._decode(job, job.groups[g])
+        if pending:
             return False
-        transfer_seconds = time.perf_counter() - job.posted
-        job.xfer.release()
-        if state is TransferState.FAILED:
-            self._free_recv(job)
-            raise LoadFailed("transport", "NIXL READ finished in error")
+        if job.transferred_at is None:
+            job.transferred_at = time.perf_counter()
+        transfer_seconds = job.transferred_at - job.posted
         self._release_async(job.load)
-        try:
-            decode_seconds = self._decode(job)
-        finally:
-            self._free_recv(job)
-        self._complete(job, transfer_seconds, decode_seconds)
+        self._free_recv(job)
+        self._complete(job, transfer_seconds, job.decode_seconds)
         return True
 
     def _peer_for(self, job: LoadJob) -> PeerState | None:
@@ -421,8 +456,10 @@ class TurboWireWorker:
         return state
 
     def _claimed(self, job: LoadJob) -> bool:
-        """Extend the prefill lease before reading: a slot is only read while its lease is known
-        to hold, so an expired (possibly reused) slot is never decoded."""
+        """Extend the prefill lease (one heartbeat round trip, sent when the READs are posted):
+        a slot is only decoded once its lease is known to have held, so an expired (possibly
+        reused) slot is never decoded. Bytes read from a slot reused meanwhile would also fail
+        the chunk tag or checksum."""
         if job.claimed:
             return True
         if job.claim is None:
@@ -479,27 +516,32 @@ class TurboWireWorker:
         bad_local = [b for b in load.block_ids if not 0 <= b < num_blocks]
         if bad_local:
             raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
-        offsets: dict[tuple[int, int], tuple[int, int]] = {}
-        local_rows: list[tuple[int, int, int]] = []
-        remote_rows: list[tuple[int, int, int]] = []
-        cursor = 0
-        for bi, block in enumerate(load.blocks):
+        for block in load.blocks:
             if not 0 < block.num_tokens <= self.geometry.block_size:
                 raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
-            for layer in range(self.geometry.num_layers):
-                size = self.chunk_nbytes(layer, block.num_tokens, block.index)
-                offsets[(bi, layer)] = (cursor, size)
-                remote_rows.append(
-                    (
-                        staging.base_addr
-                        + block.slot * staging.slot_bytes
-                        + staging.layer_offsets[layer],
-                        size,
-                        staging.device_id,
+        groups = layer_groups(self.geometry.num_layers, self.config.decode_pipeline_groups)
+        offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        local_rows: list[list[tuple[int, int]]] = []
+        remote_rows: list[list[tuple[int, int, int]]] = []
+        cursor = 0
+        for layers in groups:  # each group's chunks are contiguous in the receive range
+            local_rows.append([])
+            remote_rows.append([])
+            for layer in layers:
+                for bi, block in enumerate(load.blocks):
+                    size = self.chunk_nbytes(layer, block.num_tokens, block.index)
+                    offsets[(bi, layer)] = (cursor, size)
+                    remote_rows[-1].append(
+                        (
+                            staging.base_addr
+                            + block.slot * staging.slot_bytes
+                            + staging.layer_offsets[layer],
+                            size,
+                            staging.device_id,
+                        )
                     )
-                )
-                local_rows.append((cursor, size, 0))
-                cursor += size
+                    local_rows[-1].append((cursor, size))
+                    cursor += size
         if cursor > self.recv_ranges.capacity:
             raise LoadFailed(
                 "recv_buffer_too_small",
@@ -510,28 +552,35 @@ class TurboWireWorker:
         if start is None:
             return False  # wait for other loads to free the buffer
         job.recv_offset, job.recv_nbytes, job.chunk_offsets = start, cursor, offsets
+        job.groups = groups
         base = self.recv.data_ptr() + start
         device_id = max(self.recv.device.index or 0, 0)
-        local = np.array(
-            [(base + off, size, device_id) for off, size, _ in local_rows], dtype=np.uint64
-        )
-        remote = np.array(remote_rows, dtype=np.uint64)
         job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
-        try:
-            job.xfer = self.transport.read(peer.agent, local, remote, self.mem_type)
-        except TransportError:
-            self._free_recv(job)
-            raise
+        job.wait_seconds = time.monotonic() - job.created
+        for local_group, remote_group in zip(local_rows, remote_rows, strict=True):
+            local = np.array(
+                [(base + off, size, device_id) for off, size in local_group], dtype=np.uint64
+            )
+            remote = np.array(remote_group, dtype=np.uint64)
+            try:
+                xfer = self.transport.read(peer.agent, local, remote, self.mem_type)
+            except TransportError:
+                if not job.xfers:
+                    self._free_recv(job)
+                raise  # READs already posted may still land: _fail quarantines the range
+            job.xfers.append(xfer)
+            job.decoded.append(False)
         return True
 
-    def _decode(self, job: LoadJob) -> float:
+    def _decode(self, job: LoadJob, layers: range) -> float:
+        """Verify and decode the chunks of ``layers`` (one landed READ) into the cache."""
         from turbowire.kernels import DecodeItem, decode_into
 
         assert self.recv is not None and job.recv_offset is not None
         t0 = time.perf_counter()
         bs = self.geometry.block_size
         table = job.load.block_ids
-        for layer in range(self.geometry.num_layers):
+        for layer in layers:
             items = []
             for bi, block in enumerate(job.load.blocks):
                 off, size = job.chunk_offsets[(bi, layer)]
@@ -548,7 +597,7 @@ class TurboWireWorker:
                     )
                 )
             layout = self.paged_layouts[layer]
-            if self._via_packed(layout):
+            if self._via_packed(layout, self.kv_caches[layer], self.recv):
                 from turbowire.connector.cpu_cache import decode_via_packed
 
                 decode_via_packed(self.codec, layer, self.kv_caches[layer], layout, items, self.recv)
@@ -575,11 +624,12 @@ class TurboWireWorker:
             transfer_seconds=transfer_seconds,
             decode_seconds=decode_seconds,
             handshake_seconds=job.handshake_seconds,
+            wait_seconds=job.wait_seconds,
         )
         logger.debug(
-            "loaded %s: %d tokens, %d wire B (%.2fx), transfer %.1f ms, decode %.1f ms",
-            load.request_id, tokens, wire, dense / max(wire, 1), transfer_seconds * 1e3,
-            decode_seconds * 1e3,
+            "loaded %s: %d tokens, %d wire B (%.2fx), wait %.1f ms, transfer %.1f ms, "
+            "decode %.1f ms", load.request_id, tokens, wire, dense / max(wire, 1),
+            job.wait_seconds * 1e3, transfer_seconds * 1e3, decode_seconds * 1e3,
         )
 
     def _fail(self, job: LoadJob, reason: str, message: str) -> None:
@@ -589,12 +639,20 @@ class TurboWireWorker:
             load.request_id, load.peer.engine_id, reason, message,
         )
         self.stats.record_failure(reason)
-        if job.xfer is not None and job.xfer.state() is TransferState.PENDING:
-            # The READ may still write into the receive range: never reuse it.
+        in_flight = [
+            x for g, x in enumerate(job.xfers)
+            if not job.decoded[g] and x.state() is TransferState.PENDING
+        ]
+        if in_flight and job.recv_offset is not None:
+            # A READ may still write into the receive range: never reuse it.
             self._quarantined_bytes += job.recv_nbytes
             job.recv_offset = None
         else:
             self._free_recv(job)
+        for g, x in enumerate(job.xfers):
+            if not job.decoded[g] and x.state() is not TransferState.PENDING:
+                x.release()
+                job.decoded[g] = True
         self._release_async(load)
         self._failed.add(load.request_id)
         self._reports[load.request_id] = LoadReport(failed=reason)

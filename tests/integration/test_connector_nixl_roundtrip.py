@@ -1,7 +1,9 @@
 """The connector's own data path without vLLM engines: a prefill scheduler+worker stage a
 request's paged KV (real codec, real NIXL-registered staging, real gRPC side channel), a decode
 scheduler+worker handshake, claim, READ over UCX, verify and decode into their own paged cache.
-The decoded blocks must equal the source (raw) or match it within the preset's error (tq4)."""
+The decoded blocks must equal the source (raw) or match it within the preset's error (tq4), with
+the READ in one piece or pipelined per layer group; a corrupted chunk in the last group fails the
+load (checksum) and frees everything."""
 
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ BS, HEADS, DIM, NUM_BLOCKS = 32, 2, 64, 48
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
 
-def engine(preset: str, port: int, engine_id: str, role: str = "kv_both"):
+def engine(preset: str, port: int, engine_id: str, role: str = "kv_both", groups: int = 8):
     extra = {"preset": preset, "staging_bytes": "2MiB", "side_channel_port": port,
-             "lease_seconds": 5}
+             "lease_seconds": 5, "decode_pipeline_groups": groups}
     ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role=role,
                            kv_connector_extra_config=extra, engine_id=engine_id)
     vcfg = SimpleNamespace(
@@ -66,14 +68,19 @@ def token_kv(worker, layer: int, cache: torch.Tensor, blocks: list[int], t: int)
     return torch.cat([k, v], dim=-1).float()
 
 
-@pytest.mark.parametrize("preset,local_hit_blocks", [("raw", 0), ("raw", 1), ("tq4", 0)])
-def test_stage_read_decode_roundtrip(preset, local_hit_blocks):
+@pytest.mark.parametrize(
+    "preset,local_hit_blocks,groups,corrupt",
+    [("raw", 0, 1, False), ("raw", 1, 8, False), ("tq4", 0, 8, False), ("tq4", 0, 2, False),
+     ("tq4", 0, 8, True)],
+)
+def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt):
     from turbowire.connector.launch import free_port
 
     n = 100  # 3 full blocks + 4 tokens
     p_port = free_port()
-    p_sched, p_worker = engine(preset, p_port, f"P-{preset}-{local_hit_blocks}")
-    d_sched, d_worker = engine(preset, free_port(), f"D-{preset}-{local_hit_blocks}")
+    tag = f"{preset}-{local_hit_blocks}-{groups}-{corrupt}"
+    p_sched, p_worker = engine(preset, p_port, f"P-{tag}")
+    d_sched, d_worker = engine(preset, free_port(), f"D-{tag}", groups=groups)
     torch.manual_seed(0)
     p_caches = {name: torch.randn(NUM_BLOCKS, HEADS, BS, 2 * DIM).to(torch.bfloat16) for name in LAYERS}
     d_caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16) for name in LAYERS}
@@ -99,6 +106,11 @@ def test_stage_read_decode_roundtrip(preset, local_hit_blocks):
         delay, params = p_sched.request_finished(preq, p_blocks)
         assert delay is False and params["remote_num_tokens"] == n
         assert p_sched.pool.snapshot().leases == 1
+        if corrupt:  # flip a body byte of the last layer's chunk of the second block
+            slot = params["remote_block_ids"][1]
+            last = len(LAYERS) - 1
+            at = p_worker.layout.chunk_offset(slot, last) + 200
+            p_worker.staging[at] ^= 0x5A
 
         # ---- decode: match, allocate, load
         d_blocks = [11, 12, 13, 14]
@@ -120,12 +132,22 @@ def test_stage_read_decode_roundtrip(preset, local_hit_blocks):
             finished |= f
             failed |= x
             time.sleep(0.01)
-        assert finished == {"d-req"} and not failed
         report = d_worker.take_reports().reports["d-req"]
-        assert report.tokens == n - computed and report.failed is None
+        if corrupt:
+            assert finished == {"d-req"} and failed == {"d-req"}
+            assert report.failed == "checksum"
+            assert d_worker.recv_ranges.free_bytes == d_worker.recv_ranges.capacity
+            from turbowire.connector.stats import iter_counters
+
+            counts = {labels.get("reason"): v for name, labels, v in iter_counters(d_worker.stats.data)
+                      if name == "failures"}
+            assert counts == {"checksum": 1}
+        else:
+            assert finished == {"d-req"} and not failed
+            assert report.tokens == n - computed and report.failed is None
 
         # ---- the decoded KV equals (raw) or approximates (tq4) the prefill's
-        for layer, name in enumerate(LAYERS):
+        for layer, name in enumerate(LAYERS if not corrupt else []):
             for t in range(n):
                 got = token_kv(d_worker, layer, d_caches[name], d_blocks, t)
                 if t < computed:

@@ -36,6 +36,9 @@ def test_sizes_accept_units_and_recv_follows_staging():
         ({"side_channel_host": ""}, "side_channel_host must be the address"),
         ({"side_channel_bind": "my-host"}, "side_channel_bind='my-host' must be an IP"),
         ({"nixl_backends": []}, "nixl_backends must be a non-empty list"),
+        ({"decode_pipeline_groups": 0}, "decode_pipeline_groups=0 is out of range"),
+        ({"decode_pipeline_groups": "many"}, "decode_pipeline_groups must be an integer"),
+        ({"nixl_progress_delay_us": -1}, "nixl_progress_delay_us=-1 is out of range"),
         ({"nixl_backend_params": {"GDS": {}}}, "names backend 'GDS' that is not in"),
         ({"nixl_backend_params": {"UCX": {"ucx_devices": 3}}}, "must map strings to strings"),
         ({"load_failure_policy": "retry"}, "load_failure_policy='retry' is unknown"),
@@ -76,3 +79,23 @@ def test_unresolvable_host_is_reported():
     )
     with pytest.raises(ConnectorConfigError, match="does not resolve"):
         cfg.check_resolvable()
+
+
+def test_pipeline_and_progress_defaults_and_overrides():
+    cfg = TurboWireConfig.from_extra_config({}, environ={})
+    assert (cfg.decode_pipeline_groups, cfg.nixl_progress_delay_us) == (8, 100)
+    cfg = TurboWireConfig.from_extra_config(
+        {"decode_pipeline_groups": "1", "nixl_progress_delay_us": 0}, environ={}
+    )
+    assert (cfg.decode_pipeline_groups, cfg.nixl_progress_delay_us) == (1, 0)
+
+
+@pytest.mark.parametrize("layers,groups", [(1, 8), (8, 8), (30, 8), (32, 3), (5, 1)])
+def test_layer_groups_cover_every_layer_once_in_order(layers, groups):
+    from turbowire.connector.worker import layer_groups
+
+    split = layer_groups(layers, groups)
+    assert len(split) == min(layers, groups)
+    assert [layer for g in split for layer in g] == list(range(layers))
+    sizes = [len(g) for g in split]
+    assert max(sizes) - min(sizes) <= 1
