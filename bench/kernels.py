@@ -281,14 +281,17 @@ def check_cases(presets: list[str]) -> list[CheckCase]:
     return cases
 
 
-SWEEP = [  # launch shapes tried on hd128 (tq4 and tq3), H8, LBNHC
-    dict(lanes=1, decode_lanes=1),
-    dict(lanes=2, decode_lanes=2),
-    dict(lanes=4, decode_lanes=2),
-    dict(lanes=2, decode_lanes=1, num_warps=8),
-    dict(lanes=2, decode_lanes=1, qmode=0),
-    dict(lanes=2, decode_lanes=1, num_warps=2),
-    dict(lanes=4, decode_lanes=4),
+HD256 = dict(layers=8, heads=4, dim=256)  # the head_dim 256 comparison below
+SWEEP_GEOMS = {**MODELS, "hd256 x4 heads": HD256}
+# launch shapes tried (tq4 and tq3, LBNHC): (geometry, KernelConfig fields); {} = the default
+SWEEP: list[tuple[str, dict[str, Any]]] = [
+    ("Llama-3.1-8B", dict()),
+    ("Llama-3.1-8B", dict(lanes=16, decode_lanes=16)),  # one 16-byte piece per lane
+    ("Llama-3.1-8B", dict(num_warps=2)),
+    ("SmolLM2-135M", dict()),
+    ("SmolLM2-135M", dict(num_warps=2)),
+    ("hd256 x4 heads", dict()),
+    ("hd256 x4 heads", dict(num_warps=2)),
 ]
 
 
@@ -373,6 +376,9 @@ def _time_preset(name, preset, layout, layers, heads, dim, caches, dst, layout_o
     dbatched.check()
     r: dict[str, Any] = {"model": name, "layout": layout, "preset": preset,
                          "dense_MB": dense / 1e6, "wire_MB": comp / 1e6, "ratio": dense / comp}
+    # registers / spill bytes per thread of each launch (encode; verify + decode)
+    r["regs"] = [[getattr(k, "n_regs", None), getattr(k, "n_spills", None)]
+                 for k in getattr(batched, "compiled", []) + getattr(dbatched, "compiled", [])]
     r["enc_batched_ms"] = bench_ms(batched.launch)
     r["enc_layer_ms"] = bench_ms(lambda: [p.launch() for p in per_layer])
     r["dec_batched_ms"] = bench_ms(dbatched.launch)
@@ -410,7 +416,7 @@ def _time_preset(name, preset, layout, layers, heads, dim, caches, dst, layout_o
         f"({r['enc_batched_eff_GBps']:.0f} GB/s, {100 * r['enc_batched_vs_copy']:.0f}% of copy) "
         f"per-layer {r['enc_layer_ms']:.3f} ms | dec {r['dec_batched_ms']:.3f} ms "
         f"({r['dec_batched_eff_GBps']:.0f} GB/s, {100 * r['dec_batched_vs_copy']:.0f}%) "
-        f"per-layer {r['dec_layer_ms']:.3f} ms | api {r['enc_api_ms']:.2f} ms")
+        f"per-layer {r['dec_layer_ms']:.3f} ms | api {r['enc_api_ms']:.2f} ms | regs {r['regs']}")
     return r
 
 
@@ -482,9 +488,10 @@ def main() -> int:
     cases = [] if args.skip_check else check_cases(check_presets)
     if not args.skip_sweep:
         for preset in ("tq4", "tq3"):
-            for c in SWEEP:
-                cases.append(CheckCase(preset, 128, 8, "LBNHC", config=c))
-        cases.append(CheckCase("tq4", 128, 8, "LBNHC", config=dict(lanes=2, decode_lanes=1)))
+            for gname, c in SWEEP:
+                g = SWEEP_GEOMS[gname]
+                if c:
+                    cases.append(CheckCase(preset, g["dim"], min(g["heads"], 8), "LBNHC", config=c))
     checks: list[dict[str, Any]] = []
     report["checks"] = checks
     first = [c for c in cases if c.layout == "LBNHC"]
@@ -536,17 +543,17 @@ def main() -> int:
     cfg = KernelConfig()
     sweep = []
     if not args.skip_sweep:
-        for c in SWEEP + [dict(lanes=2, decode_lanes=1)]:
+        for gname, c in SWEEP:
             try:
-                res = run_model("Llama-3.1-8B", MODELS["Llama-3.1-8B"], ["tq4", "tq3"], "LBNHC",
-                                KernelConfig(**c), lambda m: None)
+                res = run_model(gname, SWEEP_GEOMS[gname], ["tq4", "tq3"], "LBNHC",
+                                KernelConfig(**c), log)
                 for r in res:
                     r["config"] = c
-                    r["model"] = "Llama-3.1-8B " + ",".join(f"{k}={v}" for k, v in c.items())
+                    r["model"] = f"{gname} " + (",".join(f"{k}={v}" for k, v in c.items()) or "default")
                     sweep.append(r)
-                    log(f"sweep {c}: {r['preset']} enc {r['enc_batched_ms']:.3f} ms "
+                    log(f"sweep {gname} {c}: {r['preset']} enc {r['enc_batched_ms']:.3f} ms "
                         f"({100 * r['enc_batched_vs_copy']:.0f}%) dec {r['dec_batched_ms']:.3f} ms "
-                        f"({100 * r['dec_batched_vs_copy']:.0f}%)")
+                        f"({100 * r['dec_batched_vs_copy']:.0f}%) regs {r.get('regs')}")
             except Exception as exc:  # noqa: BLE001
                 log(f"sweep {c} failed: {type(exc).__name__}: {exc}")
     report["sweep"] = sweep
@@ -565,7 +572,7 @@ def main() -> int:
                for r in checks if not r.get("ok")]
         md += ["", table(results), "", "### head_dim 256 vs two 128 groups", "", table(hd)]
         if sweep:
-            md += ["", "### launch shapes (hd128)", "", table(sweep)]
+            md += ["", "### launch shapes", "", table(sweep)]
         return md
 
     def save_all() -> None:
@@ -583,7 +590,7 @@ def main() -> int:
     # 4. head_dim 256: one 256-wide transform vs two 128-wide groups (same bytes), throughput only
     nl = 1 if SMOKE else 8
     for name, geom in () if args.skip_table else (
-            ("hd256 x4 heads", dict(layers=nl, heads=4, dim=256)),
+            ("hd256 x4 heads", dict(HD256, layers=nl)),
             ("hd128 x8 heads (2x128 groups)", dict(layers=nl, heads=8, dim=128))):
         try:
             run_model(name, geom, ["tq4", "tq3"], "LBNHC", cfg, log, hd, save_all)

@@ -1,12 +1,14 @@
 """Triton kernels of the codec fused with vLLM's paged KV layouts (encode, verify, decode).
 
 Every kernel program owns one (chunk, stream, KV head) and walks the chunk's tokens in tiles of
-``BT`` rows; each row (one token's vector of one head) lives in ``L`` neighbouring lanes (``L`` = 1:
-one thread; the launch default is head_dim/32 lanes, KernelConfig.lanes_for), loaded straight from
-the paged cache through the block table. With a row's C = D/L coordinates in registers the
-randomized Hadamard butterfly, the pairwise norm folds and the bit-plane packing are register-only
-work except the log2(L) top butterfly stages and folds across lanes. (On the H200 this layout is
-not coalesced: a warp-wide 16-byte access touches up to 32 rows; see bench/RESULTS.md.)
+``BT`` rows; each row (one token's vector of one head) lives in ``L`` neighbouring lanes (lane l
+holds coordinates l*C .. l*C+C-1, C = D/L), loaded straight from the paged cache through the
+block table. With C coordinates in registers the randomized Hadamard butterfly, the pairwise norm
+folds and the bit-plane packing are register-only work except the log2(L) top butterfly stages
+and folds across lanes (one exchange per value and stage). With L = D/8 (C = 8, one 16-byte
+piece per lane) rows are loaded and stored as ``[rows, D]`` tiles: a warp reads whole rows. The
+defaults (KernelConfig.lanes_for) use that for raw/fp8 launches and 4 lanes (32 at head_dim 256)
+where a rotation runs, the faster shapes measured on the H200 (bench/RESULTS.md).
 
 Bit-exactness with ``turbowire.codec`` rests on doing the reference's fp32 operations in the
 same order (FORMAT.md "Encode numerics"): the butterfly stages h = 1, 2, 4, ... (a recursive split
@@ -94,7 +96,7 @@ def _align16(n):
 def _sign_leaf(x, MASK: tl.constexpr, IDX: tl.constexpr, L: tl.constexpr, C: tl.constexpr):
     """x [L, BT, 1] times the sign of coordinate l*C + IDX (MASK bit set: -1). The signs are
     compile-time constants: a negation (folded into the next add) or nothing; only when the
-    lanes of a row disagree (L > 1) does a per-lane factor remain."""
+    lanes of a row disagree (L > 1) does a per-lane factor (+-1, exact) remain."""
     S0: tl.constexpr = (MASK >> IDX) & 1
     if L == 1:
         if S0 == 1:
@@ -103,14 +105,10 @@ def _sign_leaf(x, MASK: tl.constexpr, IDX: tl.constexpr, L: tl.constexpr, C: tl.
             return x
     else:
         ln = tl.arange(0, L)[:, None, None]
-        S1: tl.constexpr = (MASK >> (C + IDX)) & 1
-        if L == 2:
-            g = tl.where(ln == 0, 1.0 - 2.0 * S0, 1.0 - 2.0 * S1)
-        else:
-            S2: tl.constexpr = (MASK >> (2 * C + IDX)) & 1
-            S3: tl.constexpr = (MASK >> (3 * C + IDX)) & 1
-            g = tl.where(ln == 0, 1.0 - 2.0 * S0, tl.where(ln == 1, 1.0 - 2.0 * S1,
-                         tl.where(ln == 2, 1.0 - 2.0 * S2, 1.0 - 2.0 * S3)))
+        g = tl.where(ln == 0, 1.0 - 2.0 * S0, 1.0)
+        for l in tl.static_range(1, L):
+            if ((MASK >> (l * C + IDX)) & 1) == 1:
+                g = tl.where(ln == l, -1.0, g)
         return x * g
 
 
@@ -161,16 +159,21 @@ def _rotate(x, MASK_IN: tl.constexpr, MASK_OUT: tl.constexpr, L: tl.constexpr, B
 
 @triton.jit
 def _fwht_lanes(x, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, G: tl.constexpr):
-    """Butterfly stages across the L lanes of a row (coordinate bits above log2(C)), G = 1, 2.."""
+    """Butterfly stages across the L lanes of a row (coordinate bits above log2(C)), G = 1, 2..
+
+    One exchange per value: the 2-lane integer sum of the bit patterns minus the own pattern is
+    the partner's value (exact mod 2**32); fma(+1, a, b) = a + b on the lower lane and
+    fma(-1, b, a) = a - b on the upper one (a product by +-1 is exact, so each is rounded once,
+    as the reference's add/subtract)."""
     if G >= L:
         return x
     else:
         y = tl.reshape(x, [L // (2 * G), 2, G, BT, C])
-        pm = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :, None, None, None]
-        s = tl.sum(y, axis=1)
-        d = tl.sum(y * pm, axis=1)
-        up = (tl.arange(0, 2) == 1)[None, :, None, None, None]
-        r = tl.where(up, tl.expand_dims(d, 1), tl.expand_dims(s, 1))
+        yb = y.to(tl.int32, bitcast=True)
+        tot = tl.sum(yb, axis=1).to(tl.int32)
+        partner = (tl.expand_dims(tot, 1) - yb).to(tl.float32, bitcast=True)
+        sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :, None, None, None]
+        r = tl.fma(sgn, y, partner)
         return _fwht_lanes(tl.reshape(r, [L, BT, C]), L, BT, C, G * 2)
 
 
@@ -345,26 +348,50 @@ def _quad_words(b8, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _load_rows(kv_ptr, row_off, valid, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
-    """Load rows [L, BT, C] of the cache: row r of lane l starts at row_off[r] + l*C. The 4-D
-    pointer shape [L, BT, C/8, 8] makes the compiler give each thread whole 16-byte pieces of
-    its own row (lanes along L, then rows), so the row ends up in one thread's registers."""
-    ln = tl.arange(0, L)[:, None, None, None]
-    a = tl.arange(0, C // 8)[None, None, :, None]
-    b = tl.arange(0, 8)[None, None, None, :]
-    ptrs = kv_ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
-    m = valid[None, :, None, None] & (b < 8)
-    x = tl.load(ptrs, mask=m, other=0.0)
-    return tl.reshape(x, [L, BT, C])
+    """Load rows [L, BT, C] of the cache: row r of lane l starts at row_off[r] + l*C.
+
+    C == 8 (L = D/8: each lane holds one 16-byte piece): the pointers are laid out [BT, D] and
+    the result permuted, so the compiler sees D contiguous elements per row and puts the D/8
+    lanes of a row side by side in one warp (coalesced, and the lane butterfly stages stay
+    inside the warp). Otherwise the 4-D pointer shape [L, BT, C/8, 8] gives each thread whole
+    16-byte pieces of its own lane row."""
+    if C == 8:
+        d = tl.arange(0, L * C)[None, :]
+        x = tl.load(kv_ptr + (row_off[:, None] + d), mask=valid[:, None], other=0.0)
+        return tl.permute(tl.reshape(x, [BT, L, C]), (1, 0, 2))
+    else:
+        ln = tl.arange(0, L)[:, None, None, None]
+        a = tl.arange(0, C // 8)[None, None, :, None]
+        b = tl.arange(0, 8)[None, None, None, :]
+        ptrs = kv_ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
+        x = tl.load(ptrs, mask=valid[None, :, None, None], other=0.0)
+        return tl.reshape(x, [L, BT, C])
 
 
 @triton.jit
 def _store_rows(ptr, row_off, valid, x, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
-    ln = tl.arange(0, L)[:, None, None, None]
-    a = tl.arange(0, C // 8)[None, None, :, None]
-    b = tl.arange(0, 8)[None, None, None, :]
-    ptrs = ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
-    m = valid[None, :, None, None] & (b < 8)
-    tl.store(ptrs, tl.reshape(x, [L, BT, C // 8, 8]), mask=m)
+    if C == 8:
+        d = tl.arange(0, L * C)[None, :]
+        y = tl.reshape(tl.permute(x, (1, 0, 2)), [BT, L * C])
+        tl.store(ptr + (row_off[:, None] + d), y, mask=valid[:, None])
+    else:
+        ln = tl.arange(0, L)[:, None, None, None]
+        a = tl.arange(0, C // 8)[None, None, :, None]
+        b = tl.arange(0, 8)[None, None, None, :]
+        ptrs = ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
+        tl.store(ptrs, tl.reshape(x, [L, BT, C // 8, 8]), mask=valid[None, :, None, None])
+
+
+@triton.jit
+def _tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk, stride_tok,
+               stride_head, block_size, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """Rows t0..t0+BT of head h [L, BT, C] (0 past T). (Loading the next tile before the
+    current one is transformed did not help on the H200: bench/RESULTS.md.)"""
+    t = t0 + tl.arange(0, BT)
+    valid = t < T
+    row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
+                       stride_head, block_size)
+    return _load_rows(kv_ptr, row, valid, L, BT, C)
 
 
 @triton.jit
@@ -410,6 +437,23 @@ def _merge(lv, carry, done, bit):
 
 
 @triton.jit
+def _sum_tile(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk, stride_tok,
+              stride_head, block_size, D: tl.constexpr, BT: tl.constexpr, TH: tl.constexpr,
+              TL_: tl.constexpr):
+    """Rows t0..t0+BT of head h as [D/8, TH, TL, 8] (the chunk-mean tile layout), 0 past T."""
+    A: tl.constexpr = D // 8
+    a = tl.arange(0, A)[:, None, None, None]
+    b = tl.arange(0, 8)[None, None, None, :]
+    t1 = t0 + tl.arange(0, BT)
+    v1 = t1 < T
+    row1 = _row_offsets(blocks_ptr, blk0, start, t1, v1, layer_off, h, stride_blk, stride_tok,
+                        stride_head, block_size)
+    row = tl.multiple_of(tl.reshape(row1, [1, TH, TL_, 1]), [8, 8, 8, 8])
+    valid = tl.reshape(v1, [1, TH, TL_, 1])
+    return tl.load(kv_ptr + (row + a * 8 + b), mask=valid, other=0.0)
+
+
+@triton.jit
 def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, stride_tok,
                stride_head, block_size, D: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr,
                NUM_WARPS: tl.constexpr):
@@ -422,7 +466,6 @@ def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, 
     LA: tl.constexpr = A if A < 32 else 32
     TH: tl.constexpr = (32 // LA) * NUM_WARPS
     TL_: tl.constexpr = BT // TH
-    a = tl.arange(0, A)[:, None, None, None]
     b = tl.arange(0, 8)[None, None, None, :]
     lv0 = tl.zeros([A, 8], tl.float32)
     lv1 = tl.zeros([A, 8], tl.float32)
@@ -433,18 +476,18 @@ def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, 
     lv6 = tl.zeros([A, 8], tl.float32)
     lv7 = tl.zeros([A, 8], tl.float32)
     lv8 = tl.zeros([A, 8], tl.float32)
+    lv9 = tl.zeros([A, 8], tl.float32)
+    lv10 = tl.zeros([A, 8], tl.float32)
+    lv11 = tl.zeros([A, 8], tl.float32)
+    lv12 = tl.zeros([A, 8], tl.float32)
+    lv13 = tl.zeros([A, 8], tl.float32)
     carry = tl.zeros([A, 8], tl.float32)
     n_tiles = tl.maximum(P // BT, 1)
     for i in range(0, n_tiles):
-        t1 = i * BT + tl.arange(0, BT)
-        v1 = t1 < T
-        row1 = _row_offsets(blocks_ptr, blk0, start, t1, v1, layer_off, h, stride_blk, stride_tok,
-                            stride_head, block_size)
-        row = tl.multiple_of(tl.reshape(row1, [1, TH, TL_, 1]), [8, 8, 8, 8])
-        t = tl.reshape(t1, [1, TH, TL_, 1])
-        valid = t < T
-        m = valid & (b < 8)
-        x = tl.load(kv_ptr + (row + a * 8 + b), mask=m, other=0.0).to(tl.float32)
+        t = tl.reshape(i * BT + tl.arange(0, BT), [1, TH, TL_, 1])
+        m = (t < T) & (b < 8)
+        x = _sum_tile(kv_ptr, blocks_ptr, blk0, start, T, i * BT, layer_off, h, stride_blk,
+                      stride_tok, stride_head, block_size, D, BT, TH, TL_).to(tl.float32)
         # rows in [T, P) are the reference's +0 padding; rows past P (P < BT) must not change
         # any sum, so they are -0 (x + -0 == x for every x, +0 included)
         pad = tl.where(t < P, 0.0, -0.0)
@@ -470,6 +513,16 @@ def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, 
             lv7, carry, done = _merge(lv7, carry, done, (i >> 7) & 1)
         if LV > 8:
             lv8, carry, done = _merge(lv8, carry, done, (i >> 8) & 1)
+        if LV > 9:
+            lv9, carry, done = _merge(lv9, carry, done, (i >> 9) & 1)
+        if LV > 10:
+            lv10, carry, done = _merge(lv10, carry, done, (i >> 10) & 1)
+        if LV > 11:
+            lv11, carry, done = _merge(lv11, carry, done, (i >> 11) & 1)
+        if LV > 12:
+            lv12, carry, done = _merge(lv12, carry, done, (i >> 12) & 1)
+        if LV > 13:
+            lv13, carry, done = _merge(lv13, carry, done, (i >> 13) & 1)
     return carry
 
 
@@ -508,7 +561,8 @@ def _pack_store(code, out_ptr, row_byte, valid, G0: tl.constexpr, NG: tl.constex
     d = tl.arange(0, L)[:, None, None] * C + tl.arange(0, C)[None, None, :]
     ing = (d >= G0) & (d < G0 + NG)
     pv = (code >> SHIFT) & ((1 << W) - 1)
-    if WORDS:
+    FITS: tl.constexpr = C >= 32 // W  # a lane holds whole words of this plane
+    if WORDS and FITS:
         PER: tl.constexpr = 32 // W
         LOGP: tl.constexpr = PER.bit_length() - 1
         NWR: tl.constexpr = C // PER
@@ -573,9 +627,8 @@ def _enc_raw(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0
     for t0 in range(0, T, BT):
         t = t0 + tl.arange(0, BT)
         valid = t < T
-        row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
-                           stride_head, block_size)
-        x = _load_rows(kv_ptr, row, valid, L, BT, C)
+        x = _tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk,
+                       stride_tok, stride_head, block_size, L, BT, C)
         rb = s_off + (t.to(tl.int64) * H + h) * (D * 2)  # body byte offset of each row
         dst = (out_ptr + body0).to(tl.pointer_type(x.dtype))
         _store_rows(dst, rb // 2, valid, x, L, BT, C)
@@ -631,7 +684,8 @@ def _enc_fp8(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0
 @triton.jit
 def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H, body0,
                s_off, stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr,
-               L: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr, BITS: tl.constexpr,
+               L: tl.constexpr, BT: tl.constexpr, SBT: tl.constexpr, LV: tl.constexpr,
+               BITS: tl.constexpr,
                CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr, WORDS: tl.constexpr,
                QMODE: tl.constexpr, SQRT_D: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
                NUM_WARPS: tl.constexpr):
@@ -655,7 +709,7 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
     mp = (out_ptr + body0 + mean_off).to(tl.pointer_type(tl.float16)) + h * D
     if CENTER:
         tot = _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk,
-                         stride_tok, stride_head, block_size, D, BT, LV, NUM_WARPS)
+                         stride_tok, stride_head, block_size, D, SBT, LV, NUM_WARPS)
         mean16 = tl.div_rn(tot, T.to(tl.float32)).to(tl.float16)  # [D/8, 8]
         md = tl.arange(0, D // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(mp + md, mean16)
@@ -667,9 +721,8 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
     for t0 in range(0, T, BT):
         t = t0 + tl.arange(0, BT)
         valid = t < T
-        row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
-                           stride_head, block_size)
-        x16 = _load_rows(kv_ptr, row, valid, L, BT, C)
+        x16 = _tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk,
+                         stride_tok, stride_head, block_size, L, BT, C)
         ri = t.to(tl.int64) * H + h
         if SINK > 0:
             if t0 < S:
@@ -726,7 +779,8 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
 @triton.jit
 def _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H, body0,
                 s_off, stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr,
-                L: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr, KIND: tl.constexpr,
+                L: tl.constexpr, BT: tl.constexpr, SBT: tl.constexpr, LV: tl.constexpr,
+                KIND: tl.constexpr,
                 BITS: tl.constexpr, CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr,
                 WORDS: tl.constexpr, QMODE: tl.constexpr, FP8_MANUAL: tl.constexpr,
                 SQRT_D: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
@@ -740,7 +794,8 @@ def _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_o
     else:
         return _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
                           body0, s_off, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
-                          LV, BITS, CENTER, SINK, NHI, WORDS, QMODE, SQRT_D, S1M, S2M, NUM_WARPS)
+                          SBT, LV, BITS, CENTER, SINK, NHI, WORDS, QMODE, SQRT_D, S1M, S2M,
+                          NUM_WARPS)
 
 
 @triton.jit
@@ -774,7 +829,7 @@ _RUNTIME_INTS = ["block_size", "H", "preset_id", "num_layers", "dtype_code"]
 def encode_kernel(
     kv_ptr, out_ptr, items_ptr, blocks_ptr, tab_ptr, acc_ptr,
     stride_blk, stride_tok, stride_head, block_size, H, preset_id, num_layers, dtype_code,
-    D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr,
+    D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, SBT: tl.constexpr, LV: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CENTER: tl.constexpr, K_SINK: tl.constexpr,
     K_NHI: tl.constexpr, K_WORDS: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CENTER: tl.constexpr, V_SINK: tl.constexpr,
@@ -797,7 +852,7 @@ def encode_kernel(
     if s == 0:
         layer_off = tl.multiple_of(tl.load(ip + E_KOFF), 16)
         cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
-                         body0, 0, stride_blk, stride_tok, stride_head, block_size, D, L, BT, LV,
+                         body0, 0, stride_blk, stride_tok, stride_head, block_size, D, L, BT, SBT, LV,
                          K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, QMODE, FP8_MANUAL,
                          SQRT_D, S1M, S2M, NUM_WARPS)
     else:
@@ -805,7 +860,7 @@ def encode_kernel(
         s_off = tl.multiple_of(tl.load(ip + E_KBYTES), 16)
         cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
                          body0, s_off, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
-                         LV, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, QMODE, FP8_MANUAL,
+                         SBT, LV, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, QMODE, FP8_MANUAL,
                          SQRT_D, S1M, S2M, NUM_WARPS)
     tl.atomic_add(acc_ptr + item * 2, cs, sem="relaxed")
     done = tl.atomic_add(acc_ptr + item * 2 + 1, 1, sem="acq_rel")
@@ -910,7 +965,8 @@ def _unpack_plane(src, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr, SHIF
     """Code bits SHIFT..SHIFT+W of coordinates G0..G0+NG from one bit plane -> [L, BT, C]."""
     d = tl.arange(0, L)[:, None, None] * C + tl.arange(0, C)[None, None, :]
     ing = (d >= G0) & (d < G0 + NG)
-    if WORDS:
+    FITS: tl.constexpr = C >= 32 // W  # a lane holds whole words of this plane
+    if WORDS and FITS:
         PER: tl.constexpr = 32 // W
         NWR: tl.constexpr = C // PER  # words of this plane per lane row
         ln = tl.arange(0, L)[:, None, None, None]

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 _KIND_CODES = {"raw": 0, "fp8": 1, "lloyd": 2}
-_MAX_LEVELS = 9  # binary-counter levels of the chunk-mean token fold (512 tiles)
+_MAX_LEVELS = 14  # binary-counter levels of the chunk-mean token fold (16384 tiles)
 
 
 class StagingAlignmentError(ValueError):
@@ -44,10 +44,11 @@ class StagingAlignmentError(ValueError):
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape of the kernels. ``lanes``: threads sharing one head vector (None: head_dim/32,
-    at most 4); ``qmode``: 0 gathers quantizer thresholds from a table, 1 picks
+    """Launch shape of the kernels. ``lanes`` / ``decode_lanes``: threads sharing one head vector
+    (None: ``lanes_for``'s default); ``qmode``: 0 gathers quantizer thresholds from a table, 1 picks
     them with a select tree; ``tile_rows`` overrides the rows per tile (tests use small tiles to
-    reach the multi-tile paths with few tokens)."""
+    reach the multi-tile paths with few tokens); ``max_registers`` caps the registers per thread
+    (ptxas ``.maxnreg``; None: the compiler's choice)."""
 
     num_warps: int = 4
     lanes: int | None = None
@@ -55,43 +56,54 @@ class KernelConfig:
     qmode: int = 1
     tile_rows: int | None = None
     verify_words: int = 4096
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be a power of two up to 16, got {self.num_warps}")
         for lanes in (self.lanes, self.decode_lanes):
-            if lanes is not None and lanes not in (1, 2, 4):
-                raise ValueError(f"lanes must be 1, 2 or 4, got {lanes}")
+            if lanes is not None and lanes not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"lanes must be a power of two up to 32, got {lanes}")
         if self.qmode not in (0, 1):
             raise ValueError("qmode is 0 (gather) or 1 (select tree)")
         if self.tile_rows is not None and (self.tile_rows < 1 or self.tile_rows & (self.tile_rows - 1)):
             raise ValueError("tile_rows must be a power of two")
         if self.verify_words < 16 or self.verify_words & (self.verify_words - 1):
             raise ValueError("verify_words must be a power of two >= 16")
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in 24..255, got {self.max_registers}")
 
-    def lanes_for(self, head_dim: int, encode: bool = True) -> int:
-        """head_dim/32 lanes per row (at most 4), encode and decode: 32 values per thread. On
-        the H200 (bench/RESULTS.md, launch shapes) hd128 with 4 lanes encoded in 1.02 ms and
-        decoded in 0.43 ms against 1.22 / 0.66 ms with 2 / 1 lanes: a whole row per thread
-        took 235 registers (12.5% occupancy) in the encoder, 94 in the decoder."""
-        if not encode and self.decode_lanes is not None:
-            return self.decode_lanes
-        if self.lanes is not None:
-            return self.lanes
-        return min(4, max(1, head_dim // 32))
+    def lanes_for(self, head_dim: int, encode: bool = True, transform: bool = True) -> int:
+        """Threads sharing one row (one token's head vector). Default: head_dim/8 (each thread
+        one 16-byte piece, a warp reads whole rows: coalesced) for launches without a lloyd
+        stream (raw, fp8); with one (``transform``: the rotation runs), 4 lanes at head_dim 64
+        and 128 and head_dim/8 = 32 at 256, the fastest shapes measured on the H200
+        (bench/RESULTS.md, launch shapes): the butterfly stages above a thread's coordinates
+        exchange values between lanes, which costs more than uncoalesced loads save there."""
+        lanes = self.decode_lanes if not encode and self.decode_lanes is not None else self.lanes
+        if lanes is None:
+            lanes = min(4, head_dim // 8) if transform and head_dim <= 128 else min(32, head_dim // 8)
+        if lanes > head_dim // 8:
+            raise ValueError(f"at most head_dim/8 = {head_dim // 8} lanes per row, got {lanes}")
+        return lanes
 
-    def tile_rows_for(self, head_dim: int, encode: bool = True) -> int:
-        lanes = self.lanes_for(head_dim, encode)
-        natural = 32 * self.num_warps // lanes
-        rows = self.tile_rows or natural
-        # the chunk-mean tile puts head_dim/8 lanes across a row: it needs that many rows at least
+    def tile_rows_for(self, head_dim: int, encode: bool = True, transform: bool = True) -> int:
+        lanes = self.lanes_for(head_dim, encode, transform)
+        return self.tile_rows or max(32 * self.num_warps // lanes, 1)
+
+    def sum_rows_for(self, head_dim: int, transform: bool = True) -> int:
+        """Rows per tile of the chunk-mean pass: ``tile_rows`` if set, else at least 32 (fewer,
+        longer steps: 8-row tiles made the hd128 encoder 40% slower), and at least the rows
+        its layout covers (head_dim/8 lanes across a row)."""
         th = max(32 // min(head_dim // 8, 32), 1) * self.num_warps
-        if rows < th:
-            raise ValueError(
-                f"tile_rows {rows} is below {th}, the rows {self.num_warps} warps cover at "
-                f"head_dim {head_dim}; use more rows or fewer warps"
-            )
-        return rows
+        rows = self.tile_rows or max(self.tile_rows_for(head_dim, True, transform), 32)
+        return max(rows, th)
+
+    def launch_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_warps": self.num_warps}
+        if self.max_registers is not None and not interpreting():
+            opts["maxnreg"] = self.max_registers
+        return opts
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -350,7 +362,12 @@ class _Launch:
 
     rows: list[list[int]]
     blocks: _BlockTable = field(default_factory=_BlockTable)
-    max_tiles: int = 1
+    max_tokens: int = 1  # the largest chunk, rounded up to a power of two
+
+
+def _transforms(kspec: StreamSpec, vspec: StreamSpec) -> bool:
+    """Whether a launch runs the rotation (a lloyd stream): it picks the default lanes."""
+    return "lloyd" in (kspec.kind, vspec.kind)
 
 
 def _group_key(codec: Codec, layer: int) -> tuple[StreamSpec, StreamSpec]:
@@ -390,12 +407,11 @@ class EncodePlan:
         cfg = config or DEFAULT_CONFIG
         self.written: list[list[int]] = []
         self._calls: list[tuple[tuple[int], tuple[Any, ...], dict[str, Any]]] = []
+        self.compiled: list[Any] = []  # the kernels of the last launch (registers, spills)
         if not jobs:
             return
         base, lay0 = _check_jobs(codec, jobs, staging, "staging")
         dim = codec.head_dim
-        lanes = cfg.lanes_for(dim, encode=True)
-        bt = cfg.tile_rows_for(dim, encode=True)
         launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
         spans: list[tuple[int, int, str]] = []
         strides = None
@@ -418,7 +434,7 @@ class EncodePlan:
                 _check_range(staging, item.out_offset, nbytes, "staging")
                 spans.append((item.out_offset, item.out_offset + nbytes, "staging bytes"))
                 p = _pow2(item.num_tokens)
-                launch.max_tiles = max(launch.max_tiles, max(p // bt, 1))
+                launch.max_tokens = max(launch.max_tokens, p)
                 launch.rows.append([
                     geom.k_off, geom.v_off, item.token_start, item.num_tokens, p, item.out_offset,
                     blk0, item.tag & 0xFFFFFFFF, item.tag >> 32, layer,
@@ -436,7 +452,11 @@ class EncodePlan:
             n = len(launch.rows)
             if n == 0:
                 continue
-            lv = max(launch.max_tiles, 1).bit_length() - 1
+            tf = _transforms(kspec, vspec)
+            lanes = cfg.lanes_for(dim, True, tf)
+            bt = cfg.tile_rows_for(dim, True, tf)
+            sbt = cfg.sum_rows_for(dim, tf)
+            lv = max(launch.max_tokens // sbt, 1).bit_length() - 1
             if lv > _MAX_LEVELS:
                 raise GeometryError("chunk too long for the Triton chunk-mean fold")
             table = torch.tensor(launch.rows, dtype=torch.int64).to(device)
@@ -448,17 +468,17 @@ class EncodePlan:
                     lay0.block_size, lay0.num_heads, codec.preset.preset_id, codec.num_layers,
                     dtype_code)
             kwargs = dict(
-                D=dim, L=lanes, BT=bt, LV=lv, **consts, QMODE=cfg.qmode, FP8_MANUAL=interpreting(),
-                SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1),
-                NUM_WARPS=cfg.num_warps, num_warps=cfg.num_warps, enable_fp_fusion=False,
+                D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
+                FP8_MANUAL=interpreting(), SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0),
+                S2M=_sign_mask(dim, 1), NUM_WARPS=cfg.num_warps, **cfg.launch_options(),
+                enable_fp_fusion=False,
             )
             self._calls.append(((n * 2 * lay0.num_heads,), args, kwargs))
 
     def launch(self) -> None:
         from turbowire.kernels import triton_codec as tk
 
-        for grid, args, kwargs in self._calls:
-            tk.encode_kernel[grid](*args, **kwargs)
+        self.compiled = [tk.encode_kernel[grid](*args, **kwargs) for grid, args, kwargs in self._calls]
 
 
 class DecodePlan:
@@ -478,6 +498,7 @@ class DecodePlan:
         self.codec = codec
         self.source = source
         self._calls: list[tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
+        self.compiled: list[Any] = []  # the kernels of the last launch (registers, spills)
         self._refs: list[tuple[int, "DecodeItem", PagedKVLayout]] = []
         self.status: torch.Tensor | None = None
         self.fails: torch.Tensor | None = None
@@ -485,8 +506,6 @@ class DecodePlan:
             return
         base, lay0 = _check_jobs(codec, jobs, source, "source")
         dim = codec.head_dim
-        lanes = cfg.lanes_for(dim, encode=False)
-        bt = cfg.tile_rows_for(dim, encode=False)
         vw = cfg.verify_words
         launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
         all_rows: list[list[int]] = []
@@ -553,12 +572,15 @@ class DecodePlan:
             blocks = torch.tensor(launch.blocks.ids or [0], dtype=torch.int32).to(device)
             consts = {**_stream_consts(kspec, dim).prefixed("K"),
                       **_stream_consts(vspec, dim).prefixed("V")}
+            tf = _transforms(kspec, vspec)
+            lanes = cfg.lanes_for(dim, False, tf)
+            bt = cfg.tile_rows_for(dim, False, tf)
             self._calls.append((
                 tk.decode_kernel, (n * 2 * lay0.num_heads,),
                 (base, source, table, blocks, tab, self.fails, strides[0], strides[1], strides[2],
                  lay0.block_size, lay0.num_heads),
                 dict(D=dim, L=lanes, BT=bt, **consts, MANUAL=interpreting(),
-                     S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), num_warps=cfg.num_warps,
+                     S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), **cfg.launch_options(),
                      enable_fp_fusion=False),
             ))
 
@@ -566,8 +588,7 @@ class DecodePlan:
         if self.fails is None:
             return
         self.fails.zero_()
-        for kernel, grid, args, kwargs in self._calls:
-            kernel[grid](*args, **kwargs)
+        self.compiled = [kernel[grid](*args, **kwargs) for kernel, grid, args, kwargs in self._calls]
 
     def check(self) -> None:
         if self.fails is None or self.status is None:

@@ -97,7 +97,12 @@ CASES = {
                                          heads=1),
     "k3v2-d128-offset-lanes2": Case("k3v2", 128, "LBNHC", 16, torch.bfloat16, ((5, 30),),
                                     KernelConfig(num_warps=1, tile_rows=16, lanes=2), heads=1),
-    # a whole row per thread (the defaults spread rows over head_dim/32 lanes)
+    # one 16-byte piece per lane (head_dim/8 lanes): 4 butterfly stages across lanes, 2- and 1-bit
+    # planes narrower than a word per lane (byte stores), rows loaded as [rows, head_dim]
+    "tq3-d128-lanes16": Case("tq3", 128, "LBHNC", 16, torch.bfloat16, ((3, 21),),
+                             KernelConfig(num_warps=1, tile_rows=4, lanes=16, decode_lanes=16),
+                             heads=1),
+    # a whole row per thread
     "tq3-d64-lanes1": Case("tq3", 64, "LBHNC", 16, torch.bfloat16, ((0, 21),),
                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1), heads=1),
     "bits1-bits6-d64": Case(
@@ -111,6 +116,17 @@ CASES = {
         64, "LBNHC", 32, torch.float16, ((0, 12),), SMALL,
     ),
 }
+
+
+def test_default_lanes_and_refusals() -> None:
+    cfg = KernelConfig()
+    assert [cfg.lanes_for(d, True, False) for d in (64, 128, 256)] == [8, 16, 32]  # raw / fp8
+    assert [cfg.lanes_for(d, False, True) for d in (64, 128, 256)] == [4, 4, 32]  # lloyd
+    assert cfg.sum_rows_for(128) >= 32
+    with pytest.raises(ValueError, match="head_dim/8"):
+        KernelConfig(lanes=16).lanes_for(64)
+    with pytest.raises(ValueError, match="max_registers"):
+        KernelConfig(max_registers=8)
 
 
 def _items(case: Case, src_blocks: list[int], dst_blocks: list[int], written=None, tags=(11, 22)):

@@ -1,0 +1,116 @@
+"""Compile the codec kernels for a Hopper GPU on a machine without one: registers, spills, layouts.
+
+Triton compiles for a target it is told about (``GPUTarget("cuda", 90, 32)``) with the ptxas it
+ships, no driver needed, so register counts, spills and the layouts the compiler picked (TTGIR:
+``convert_layout`` count, load layouts) can be read before spending device time. Pointers and
+strides are declared 16-byte aligned, as the launcher specializes them at run time (without
+that the row loads are not vectorized). Numbers come from the local triton, which may differ
+from the GPU machine's; the bench (``bench/kernels.py``) prints the registers the GPU build used.
+
+    python bench/kernels_aot.py --preset tq4 --head-dim 128 --lanes 4 16
+    python bench/kernels_aot.py --preset tq3 --head-dim 256 --ttgir /tmp/enc.ttgir
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernels as kb  # noqa: E402,F401  (bootstrap: turbowire importable from a source tree)
+from turbowire.codec import Codec  # noqa: E402
+from turbowire.kernels import triton_codec as tk  # noqa: E402
+from turbowire.kernels import triton_dispatch as td  # noqa: E402
+
+POINTERS = {"kv_ptr": "*bf16", "out_ptr": "*u8", "src_ptr": "*u8", "items_ptr": "*i64",
+            "blocks_ptr": "*i32", "tab_ptr": "*fp32", "acc_ptr": "*i32", "fail_ptr": "*i32",
+            "status_ptr": "*i32"}
+
+
+def compile_kernel(fn: Any, constexprs: dict[str, Any], cfg: td.KernelConfig) -> Any:
+    """One kernel for sm_90 with the runtime's alignment assumptions."""
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int], list[list[Any]]] = {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        else:
+            sig[p.name] = POINTERS.get(p.name, "i32")
+            if sig[p.name].startswith("*") or p.name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    opts: dict[str, Any] = {"enable_fp_fusion": False, **cfg.launch_options()}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def resources(kernel: Any) -> str:
+    """The cubin's resource line (registers, stack = spills, shared memory)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=False).stdout
+    line = next((ln for ln in out.splitlines() if "REG" in ln), "")
+    return " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "STACK", "SHARED"))
+
+
+def constants(preset: str, dim: int, cfg: td.KernelConfig, encode: bool) -> dict[str, Any]:
+    codec = Codec(preset, dim, 32)
+    pol = codec.policy(codec.num_layers // 2)
+    tf = td._transforms(pol.k, pol.v)
+    lanes = cfg.lanes_for(dim, encode, tf)
+    bt = cfg.tile_rows_for(dim, encode, tf)
+    cx: dict[str, Any] = {**td._stream_consts(pol.k, dim).prefixed("K"),
+                          **td._stream_consts(pol.v, dim).prefixed("V"),
+                          "D": dim, "L": lanes, "BT": bt, "S1M": td._sign_mask(dim, 0),
+                          "S2M": td._sign_mask(dim, 1)}
+    if encode:
+        sbt = cfg.sum_rows_for(dim, tf)
+        cx.update(SBT=sbt, LV=max(256 // sbt, 1).bit_length() - 1, QMODE=cfg.qmode,
+                  FP8_MANUAL=False, NUM_WARPS=cfg.num_warps,
+                  SQRT_D=float(torch.tensor(math.sqrt(dim), dtype=torch.float32)))
+    else:
+        cx["MANUAL"] = False
+    return cx
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tq4")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--lanes", type=int, nargs="*", default=[0], help="0: the default")
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--max-registers", type=int, default=None)
+    ap.add_argument("--ttgir", type=Path, default=None, help="write the last encoder's TTGIR here")
+    args = ap.parse_args()
+    for lanes in args.lanes:
+        cfg = td.KernelConfig(num_warps=args.num_warps, lanes=lanes or None,
+                              decode_lanes=lanes or None, max_registers=args.max_registers)
+        for name, fn, encode in (("encode", tk.encode_kernel, True), ("decode", tk.decode_kernel, False)):
+            cx = constants(args.preset, args.head_dim, cfg, encode)
+            k = compile_kernel(fn, cx, cfg)
+            ttgir = k.asm["ttgir"]
+            print(f"{args.preset} hd{args.head_dim} {name} lanes={cx['L']} rows={cx['BT']} "
+                  f"warps={args.num_warps}: {resources(k)} convert_layout={ttgir.count('convert_layout')}",
+                  flush=True)
+            if encode and args.ttgir:
+                args.ttgir.write_text(ttgir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
