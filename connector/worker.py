@@ -8,7 +8,7 @@ scheduler publishes them.
 Decode: each load handshakes with the prefill engine once (cached per peer, in a thread so the
 engine loop never blocks on the network), READs exactly the chunk bytes of the needed
 (block, layer) pairs into a receive buffer, one READ per group of layers
-(``decode_pipeline_groups``), and decodes every chunk of a group (magic, version, preset,
+(``decode_pipeline_groups``, two in flight), and decodes every chunk of a group (magic, version, preset,
 geometry, tag and checksum verified by the codec) into the blocks vLLM allocated as soon as that
 group has landed, while the later groups are still on the wire. Once every READ is done it tells
 the prefill engine to release its lease. Any failure lands in ``failed_recving``; vLLM applies
@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Layer-group READs of one load on the wire at once: two keep the link busy while the group
+# that landed is decoded, and the groups land one after another instead of all at the end.
+READS_IN_FLIGHT = 2
+
 
 class LoadFailed(RuntimeError):
     """A load failed; ``reason`` is the metric label (checksum, bounds, timeout, ...)."""
@@ -77,7 +81,9 @@ class LoadJob:
     recv_nbytes: int = 0
     chunk_offsets: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     groups: list[range] = field(default_factory=list)  # layers of each READ
-    xfers: list[NixlTransfer] = field(default_factory=list)  # one per group, in group order
+    xfers: list[NixlTransfer] = field(default_factory=list)  # posted READs, in group order
+    group_descs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    peer_agent: str = ""
     decoded: list[bool] = field(default_factory=list)
     transferred_at: float | None = None  # when the last READ was seen done
     decode_seconds: float = 0.0
@@ -402,21 +408,21 @@ class TurboWireWorker:
                 return False
         if not self._claimed(job):
             return False  # nothing is decoded before the lease is confirmed
-        # decode every group that has landed (later groups keep moving meanwhile)
-        pending = False
-        for g, xfer in enumerate(job.xfers):
+        # decode the groups that have landed, in order; the next READ goes out before a group is
+        # decoded, so the link stays busy while the CPU/GPU decodes
+        for g in range(len(job.xfers)):
             if job.decoded[g]:
                 continue
-            state = xfer.state()
+            state = job.xfers[g].state()
             if state is TransferState.PENDING:
-                pending = True
-                continue
+                break
             if state is TransferState.FAILED:
                 raise LoadFailed("transport", f"NIXL READ of layer group {g} finished in error")
-            xfer.release()
+            job.xfers[g].release()
             job.decoded[g] = True  # even if decoding raises: the handle is released
+            self._post_more(job)
             job.decode_seconds += self._decode(job, job.groups[g])
-        if pending:
+        if len(job.xfers) < len(job.groups) or not all(job.decoded):
             return False
         if job.transferred_at is None:
             job.transferred_at = time.perf_counter()
@@ -555,22 +561,35 @@ class TurboWireWorker:
         job.groups = groups
         base = self.recv.data_ptr() + start
         device_id = max(self.recv.device.index or 0, 0)
+        job.group_descs = [
+            (
+                np.array([(base + off, size, device_id) for off, size in local_group], np.uint64),
+                np.array(remote_group, dtype=np.uint64),
+            )
+            for local_group, remote_group in zip(local_rows, remote_rows, strict=True)
+        ]
+        job.peer_agent = peer.agent
         job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
         job.wait_seconds = time.monotonic() - job.created
-        for local_group, remote_group in zip(local_rows, remote_rows, strict=True):
-            local = np.array(
-                [(base + off, size, device_id) for off, size in local_group], dtype=np.uint64
-            )
-            remote = np.array(remote_group, dtype=np.uint64)
+        self._post_more(job)
+        return True
+
+    def _post_more(self, job: LoadJob) -> None:
+        """Keep READS_IN_FLIGHT layer groups on the wire. Posting every group at once made them
+        share the link and land together at the end, leaving nothing to overlap the decode with."""
+        assert self.transport is not None
+        in_flight = sum(1 for g in range(len(job.xfers)) if not job.decoded[g])
+        while in_flight < READS_IN_FLIGHT and len(job.xfers) < len(job.groups):
+            local, remote = job.group_descs[len(job.xfers)]
             try:
-                xfer = self.transport.read(peer.agent, local, remote, self.mem_type)
+                xfer = self.transport.read(job.peer_agent, local, remote, self.mem_type)
             except TransportError:
                 if not job.xfers:
                     self._free_recv(job)
                 raise  # READs already posted may still land: _fail quarantines the range
             job.xfers.append(xfer)
             job.decoded.append(False)
-        return True
+            in_flight += 1
 
     def _decode(self, job: LoadJob, layers: range) -> float:
         """Verify and decode the chunks of ``layers`` (one landed READ) into the cache."""
