@@ -10,13 +10,15 @@ ranges outside registered memory.
 The agent's progress thread sleeps ``progress_delay_us`` between polls. NIXL's Python API
 hard-codes 0, and a progress thread that never sleeps burns a whole core: on an engine pinned to
 one core (vLLM on CPU) it halved the speed of everything else there, the codec included. With
-100 us it uses ~2% of a core and READs over UCX/TCP were as fast (measured in
-bench/RESULTS.md "NIXL progress thread").
+100 us an idle agent uses ~3% of a core; loopback READ goodput was noisy either way (0.32-0.75
+GB/s busy-polling, 0.33-0.43 GB/s at 100 us, bench/RESULTS.md "NIXL progress thread"), so hosts
+with cores to spare and fast links may prefer 0 (``nixl_progress_delay_us``).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -56,8 +58,6 @@ def make_agent(name: str, progress_delay_us: int) -> Any:
     config = nixl_agent_config(backends=[])
     if progress_delay_us == 0:
         return nixl_agent(name, config)
-    import sys
-
     api = sys.modules[nixl_agent.__module__]
     bind = getattr(api, "nixlBind", None)
     make = getattr(bind, "nixlAgent", None)
