@@ -9,6 +9,12 @@ from the GPU machine's; the bench (``bench/kernels.py``) prints the registers th
 
     python bench/kernels_aot.py --preset tq4 --head-dim 128 --lanes 4 16
     python bench/kernels_aot.py --preset tq3 --head-dim 256 --ttgir /tmp/enc.ttgir
+    PYTHONPATH=/tmp/triton36 python bench/kernels_aot.py --sass   # another Triton, SASS opcodes
+
+``--sass`` adds the cubin's instruction count and most frequent opcodes (nvdisasm): static
+counts, a proxy for the work per coordinate (SHFL = lane exchanges, LDL/STL = spills, STS/LDS =
+layout conversions through shared memory). Triton versions differ in the layouts they pick
+(see ``kernels/triton_codec.py`` ``_rows_first``), so compare builds of the version you run.
 """
 
 from __future__ import annotations
@@ -68,6 +74,28 @@ def resources(kernel: Any) -> str:
     return " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "STACK", "SHARED"))
 
 
+def sass_summary(kernel: Any, top: int = 12) -> str:
+    """Instruction count and the most frequent opcodes of the cubin (static, not executed)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
+                             check=False).stdout
+    ops: dict[str, int] = {}
+    for line in out.splitlines():
+        if "*/" not in line or ";" not in line or not line.strip().startswith("/*"):
+            continue
+        words = line.split("*/", 1)[1].split()
+        if not words:
+            continue
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        op = op.split(".")[0].rstrip(";")
+        ops[op] = ops.get(op, 0) + 1
+    common = sorted(ops.items(), key=lambda kv: -kv[1])[:top]
+    return f"sass={sum(ops.values())} " + " ".join(f"{k}:{v}" for k, v in common)
+
+
 def constants(preset: str, dim: int, cfg: td.KernelConfig, encode: bool) -> dict[str, Any]:
     codec = Codec(preset, dim, 32)
     pol = codec.policy(codec.num_layers // 2)
@@ -96,6 +124,7 @@ def main() -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--max-registers", type=int, default=None)
     ap.add_argument("--ttgir", type=Path, default=None, help="write the last encoder's TTGIR here")
+    ap.add_argument("--sass", action="store_true", help="also count SASS instructions by opcode")
     args = ap.parse_args()
     for lanes in args.lanes:
         cfg = td.KernelConfig(num_warps=args.num_warps, lanes=lanes or None,
@@ -104,9 +133,11 @@ def main() -> int:
             cx = constants(args.preset, args.head_dim, cfg, encode)
             k = compile_kernel(fn, cx, cfg)
             ttgir = k.asm["ttgir"]
-            print(f"{args.preset} hd{args.head_dim} {name} lanes={cx['L']} rows={cx['BT']} "
-                  f"warps={args.num_warps}: {resources(k)} convert_layout={ttgir.count('convert_layout')}",
-                  flush=True)
+            print(f"triton {triton.__version__} {args.preset} hd{args.head_dim} {name} "
+                  f"lanes={cx['L']} rows={cx['BT']} warps={args.num_warps}: {resources(k)} "
+                  f"convert_layout={ttgir.count('convert_layout')}", flush=True)
+            if args.sass:
+                print("    " + sass_summary(k), flush=True)
             if encode and args.ttgir:
                 args.ttgir.write_text(ttgir)
     return 0

@@ -27,6 +27,8 @@ expects; the decode kernel writes nothing unless every chunk of the launch verif
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -79,6 +81,25 @@ ST_BODY_CHECKSUM = 16
 MAGIC_WORD = tl.constexpr(0x564B5754)  # b"TWKV" little-endian
 
 
+def _rows_first() -> bool:
+    """How this Triton orders the dims of a load whose pointers are contiguous only in the last
+    dim: 3.6 hands the threads to the lowest dims first, 3.8 and later to the highest. The row
+    layout (a whole head vector per thread, rows across the threads) needs the rows' dim to come
+    first in that order, so its pointer tensors put the rows first (3.6) or second (3.8+).
+    Either shape computes the same bytes; the wrong one costs speed (lane shuffles, spills)."""
+    forced = os.environ.get("TURBOWIRE_TRITON_ROWS_FIRST")
+    if forced in ("0", "1"):
+        return forced == "1"
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    return (major, minor) < (3, 7)
+
+
+ROWS_FIRST = tl.constexpr(_rows_first())
+# rows over 1 or 2 lanes: in-thread butterfly stages and folds as two-element sums and the
+# carried-threshold quantizer (False: the recursive split/join of wider lane counts)
+STAGE_SUMS = tl.constexpr(True)
+
+
 def table_offset(head_dim: int, bits: int) -> int:
     """Start of the ``bits``-bit codebook block in the fp32 table (after the two sign tables)."""
     return 2 * head_dim + 3 * ((1 << bits) - 2)
@@ -110,6 +131,57 @@ def _sign_leaf(x, MASK: tl.constexpr, IDX: tl.constexpr, L: tl.constexpr, C: tl.
             if ((MASK >> (l * C + IDX)) & 1) == 1:
                 g = tl.where(ln == l, -1.0, g)
         return x * g
+
+
+@triton.jit
+def _sign_word(d, MASK: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    """The 32-bit word of the sign mask holding coordinate d's bit (d // 32 == K .. N-1)."""
+    W: tl.constexpr = (MASK >> (32 * K)) & 0xFFFFFFFF
+    WS: tl.constexpr = W - (1 << 32) if W >= (1 << 31) else W
+    if K == N - 1:
+        return tl.full(d.shape, WS, tl.int32)
+    else:
+        return tl.where(d // 32 == K, WS, _sign_word(d, MASK, K + 1, N))
+
+
+@triton.jit
+def _sign_vec(MASK: tl.constexpr, D: tl.constexpr):
+    """+-1.0 per coordinate [D] of the D-bit sign mask. In the row layout every register's
+    coordinate is a compile-time constant, so the product folds into the next add's sign."""
+    d = tl.arange(0, D)
+    w = _sign_word(d, MASK, 0, (D + 31) // 32)
+    return 1.0 - 2.0 * ((w >> (d % 32)) & 1).to(tl.float32)
+
+
+@triton.jit
+def _bfly_stage(x, BT: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    """Butterfly stage h = H over rows x [BT, D] held by one thread each: (a + b, a - b) as a
+    two-element sum and a sum with the second element negated (a + (-b) == a - b exactly), the
+    pair axis in registers, so no value leaves its thread and no layout changes."""
+    y = tl.reshape(x, [BT, D // (2 * H), 2, H])
+    sg = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, None, :, None]
+    s = tl.sum(y, axis=2)
+    d = tl.sum(y * sg, axis=2)
+    lo = (tl.arange(0, 2) == 0)[None, None, :, None]
+    return tl.reshape(tl.where(lo, tl.expand_dims(s, 2), tl.expand_dims(d, 2)), [BT, D])
+
+
+@triton.jit
+def _fwht_row(x, BT: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    """Stages h = H, 2H, ..., D/2 of the butterfly over rows x [BT, D] (one row per thread)."""
+    if H >= D:
+        return x
+    else:
+        return _fwht_row(_bfly_stage(x, BT, D, H), BT, D, H * 2)
+
+
+@triton.jit
+def _rotate_row(x, MASK_IN: tl.constexpr, MASK_OUT: tl.constexpr, BT: tl.constexpr,
+                D: tl.constexpr):
+    """s_out * FWHT(s_in * x) for x [1, BT, D], a whole row per thread."""
+    y = tl.reshape(x, [BT, D]) * _sign_vec(MASK_IN, D)[None, :]
+    y = _fwht_row(y, BT, D, 1) * _sign_vec(MASK_OUT, D)[None, :]
+    return tl.reshape(y, [1, BT, D])
 
 
 @triton.jit
@@ -149,10 +221,15 @@ def _fwht_rows(x, L: tl.constexpr, BT: tl.constexpr, N: tl.constexpr, IDX: tl.co
 def _rotate(x, MASK_IN: tl.constexpr, MASK_OUT: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
             C: tl.constexpr):
     """s_out * FWHT(s_in * x) over the D = L*C coordinates of each row of x [L, BT, C]."""
-    y = _signs(x, MASK_IN, L, BT, C, 0, 1, C)
     if L == 1:
-        return _fwht_rows(y, L, BT, C, 0, 1, C, MASK_OUT, True)
+        return _rotate_row(x, MASK_IN, MASK_OUT, BT, C)
+    elif STAGE_SUMS and L <= 2:
+        y = _signs(x, MASK_IN, L, BT, C, 0, 1, C)
+        y = tl.reshape(_fwht_row(tl.reshape(y, [L * BT, C]), L * BT, C, 1), [L, BT, C])
+        y = _fwht_lanes(y, L, BT, C, 1)
+        return _signs(y, MASK_OUT, L, BT, C, 0, 1, C)
     else:
+        y = _signs(x, MASK_IN, L, BT, C, 0, 1, C)
         y = _fwht_lanes(_fwht_rows(y, L, BT, C, 0, 1, C, MASK_OUT, False), L, BT, C, 1)
         return _signs(y, MASK_OUT, L, BT, C, 0, 1, C)
 
@@ -180,15 +257,26 @@ def _fwht_lanes(x, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr, G: tl.con
 @triton.jit
 def _gather_rows(tab_ptr, idx, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
     """tab[idx] for idx [L, BT, C] in the row layout. With no contiguity to exploit, the
-    compiler orders a gather's lanes along the lowest dims (L, then rows) and keeps C in
-    registers: the row layout itself, so no shared-memory round trip surrounds the gather."""
-    return tl.load(tab_ptr + idx)
+    compiler hands a gather's threads to the dims in its tie order (_rows_first): the indices
+    go in as [L, BT, C] (3.6) or [C, BT, L] (3.8+), so the lanes of a row, then the rows, get
+    the threads and C stays in registers: the row layout itself, with no shared-memory round
+    trip around the gather."""
+    if ROWS_FIRST:
+        return tl.load(tab_ptr + idx)
+    else:
+        it = tl.permute(idx, (2, 1, 0))
+        return tl.permute(tl.load(tab_ptr + it), (2, 1, 0))
 
 
 @triton.jit
 def _gload_rows(ptrs, mask, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
     """Masked gather of pointers [L, BT, C] in the row layout (see _gather_rows)."""
-    return tl.load(ptrs, mask=mask, other=0)
+    if ROWS_FIRST:
+        return tl.load(ptrs, mask=mask, other=0)
+    else:
+        pt = tl.permute(ptrs, (2, 1, 0))
+        mt = tl.permute(mask, (2, 1, 0))
+        return tl.permute(tl.load(pt, mask=mt, other=0), (2, 1, 0))
 
 
 @triton.jit
@@ -196,6 +284,8 @@ def _fold_rows(x, L: tl.constexpr, BT: tl.constexpr, N: tl.constexpr, K: tl.cons
     """Add adjacent pairs along the last dim of x [L, BT, N], K times: [L, BT, N >> K]."""
     if K == 0:
         return x
+    elif L == 1 or (STAGE_SUMS and L <= 2):
+        return _fold_rows(tl.sum(tl.reshape(x, [L, BT, N // 2, 2]), axis=3), L, BT, N // 2, K - 1)
     else:
         a, b = tl.split(tl.reshape(x, [L, BT, N // 2, 2]))
         return _fold_rows(a + b, L, BT, N // 2, K - 1)
@@ -241,6 +331,40 @@ def _mux_thr(tp, IDX: tl.constexpr, K: tl.constexpr, S: tl.constexpr, HALF: tl.c
 
 
 @triton.jit
+def _quantize_carry(v, tab_ptr, BND: tl.constexpr, B: tl.constexpr):
+    """QMODE 1's symmetric integer search (see _quantize) for B <= 4 bits, written so that no
+    comparison result outlives the next step: each level picks the thresholds of the levels
+    below it right away (a select per candidate) and the sign becomes a 0/-1 integer at once.
+    With a whole row per thread, kept predicates would be packed into bit masks (two logic
+    instructions per value and level); this form needs none."""
+    H: tl.constexpr = 1 << (B - 1)
+    bits = v.to(tl.int32, bitcast=True)
+    neg = tl.where(v > 0.0, 0, -1)  # not v > 0 (zeros of both signs, NaN), as the reference
+    a = (bits & 0x7FFFFFFF) + (neg & 1)  # |v|, one ulp up where v <= 0 (>= becomes >)
+    tp = tab_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (BND + H)  # positive P_1..P_{H-1}
+    if B == 1:
+        n = tl.zeros(v.shape, tl.int32)
+    elif B == 2:
+        n = tl.where(a > tl.load(tp), 1, 0)
+    elif B == 3:
+        p0 = a > tl.load(tp + 1)
+        t1 = tl.where(p0, tl.load(tp + 2), tl.load(tp))
+        n = tl.where(p0, 2, 0)
+        n += tl.where(a > t1, 1, 0)
+    else:
+        p0 = a > tl.load(tp + 3)
+        t1 = tl.where(p0, tl.load(tp + 5), tl.load(tp + 1))
+        t2a = tl.where(p0, tl.load(tp + 6), tl.load(tp + 2))
+        t2b = tl.where(p0, tl.load(tp + 4), tl.load(tp))
+        n = tl.where(p0, 4, 0)
+        p1 = a > t1
+        t2 = tl.where(p1, t2a, t2b)
+        n += tl.where(p1, 2, 0)
+        n += tl.where(a > t2, 1, 0)
+    return (n + H) ^ (neg & (2 * H - 1))
+
+
+@triton.jit
 def _quantize(v, tab_ptr, BND: tl.constexpr, B: tl.constexpr, QMODE: tl.constexpr,
               L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
     """code = #{k : v > boundary_k}, ties included, for the 2**B - 1 sorted boundaries at
@@ -251,7 +375,9 @@ def _quantize(v, tab_ptr, BND: tl.constexpr, B: tl.constexpr, QMODE: tl.constexp
     H - 1 - #{j : |v| >= P_j} = H - 1 - #{j : next_up(|v|) > P_j}. Positive floats compare as
     their int32 bits, so one integer binary search (select tree over scalar thresholds) serves
     both signs."""
-    if QMODE == 0:
+    if QMODE == 1 and STAGE_SUMS and L <= 2 and B <= 4:
+        return _quantize_carry(v, tab_ptr, BND, B)
+    elif QMODE == 0:
         code = tl.zeros(v.shape, tl.int32)
         for s in tl.static_range(B):
             half = 1 << (B - 1 - s)
@@ -353,33 +479,49 @@ def _load_rows(kv_ptr, row_off, valid, L: tl.constexpr, BT: tl.constexpr, C: tl.
     C == 8 (L = D/8: each lane holds one 16-byte piece): the pointers are laid out [BT, D] and
     the result permuted, so the compiler sees D contiguous elements per row and puts the D/8
     lanes of a row side by side in one warp (coalesced, and the lane butterfly stages stay
-    inside the warp). Otherwise the 4-D pointer shape [L, BT, C/8, 8] gives each thread whole
-    16-byte pieces of its own lane row."""
+    inside the warp). Otherwise each thread loads whole 16-byte pieces of its own lane row: the
+    pointers are shaped [L, BT, C/8, 8] (3.6) or [C/8, BT, L, 8] (3.8+) so that the compiler's
+    tie order (_rows_first) gives the threads to the lanes, then the rows."""
     if C == 8:
         d = tl.arange(0, L * C)[None, :]
         x = tl.load(kv_ptr + (row_off[:, None] + d), mask=valid[:, None], other=0.0)
         return tl.permute(tl.reshape(x, [BT, L, C]), (1, 0, 2))
-    else:
+    elif ROWS_FIRST:
         ln = tl.arange(0, L)[:, None, None, None]
         a = tl.arange(0, C // 8)[None, None, :, None]
         b = tl.arange(0, 8)[None, None, None, :]
         ptrs = kv_ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
         x = tl.load(ptrs, mask=valid[None, :, None, None], other=0.0)
         return tl.reshape(x, [L, BT, C])
+    else:
+        a = tl.arange(0, C // 8)[:, None, None, None]
+        ln = tl.arange(0, L)[None, None, :, None]
+        b = tl.arange(0, 8)[None, None, None, :]
+        ptrs = kv_ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
+        x = tl.load(ptrs, mask=valid[None, :, None, None], other=0.0)
+        return tl.reshape(tl.permute(x, (2, 1, 0, 3)), [L, BT, C])
 
 
 @triton.jit
 def _store_rows(ptr, row_off, valid, x, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """Store rows [L, BT, C] (pointer shapes as in _load_rows)."""
     if C == 8:
         d = tl.arange(0, L * C)[None, :]
         y = tl.reshape(tl.permute(x, (1, 0, 2)), [BT, L * C])
         tl.store(ptr + (row_off[:, None] + d), y, mask=valid[:, None])
-    else:
+    elif ROWS_FIRST:
         ln = tl.arange(0, L)[:, None, None, None]
         a = tl.arange(0, C // 8)[None, None, :, None]
         b = tl.arange(0, 8)[None, None, None, :]
         ptrs = ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
         tl.store(ptrs, tl.reshape(x, [L, BT, C // 8, 8]), mask=valid[None, :, None, None])
+    else:
+        a = tl.arange(0, C // 8)[:, None, None, None]
+        ln = tl.arange(0, L)[None, None, :, None]
+        b = tl.arange(0, 8)[None, None, None, :]
+        ptrs = ptr + (row_off[None, :, None, None] + ln * C + a * 8 + b)
+        y = tl.permute(tl.reshape(x, [L, BT, C // 8, 8]), (2, 1, 0, 3))
+        tl.store(ptrs, y, mask=valid[None, :, None, None])
 
 
 @triton.jit
@@ -448,9 +590,19 @@ def _sum_tile(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk, 
     v1 = t1 < T
     row1 = _row_offsets(blocks_ptr, blk0, start, t1, v1, layer_off, h, stride_blk, stride_tok,
                         stride_head, block_size)
-    row = tl.multiple_of(tl.reshape(row1, [1, TH, TL_, 1]), [8, 8, 8, 8])
-    valid = tl.reshape(v1, [1, TH, TL_, 1])
-    return tl.load(kv_ptr + (row + a * 8 + b), mask=valid, other=0.0)
+    if ROWS_FIRST:
+        row = tl.multiple_of(tl.reshape(row1, [1, TH, TL_, 1]), [8, 8, 8, 8])
+        valid = tl.reshape(v1, [1, TH, TL_, 1])
+        return tl.load(kv_ptr + (row + a * 8 + b), mask=valid, other=0.0)
+    else:
+        # [TL, TH, D/8, 8] pointers: the 3.8+ tie order gives the threads to the channels, then
+        # TH, as 3.6 does for [D/8, TH, TL, 8] (see _rows_first)
+        rowt = tl.multiple_of(tl.permute(tl.reshape(row1, [1, TH, TL_, 1]), (2, 1, 0, 3)),
+                              [8, 8, 8, 8])
+        validt = tl.permute(tl.reshape(v1, [1, TH, TL_, 1]), (2, 1, 0, 3))
+        at = tl.arange(0, A)[None, None, :, None]
+        x = tl.load(kv_ptr + (rowt + at * 8 + b), mask=validt, other=0.0)
+        return tl.permute(x, (2, 1, 0, 3))
 
 
 @triton.jit
@@ -534,20 +686,37 @@ def _store_words(base, row_byte, valid, w, LO: tl.constexpr, HI: tl.constexpr,
                  L: tl.constexpr, BT: tl.constexpr, NWR: tl.constexpr):
     """Store words w [L, BT, NWR] (word j of lane l is word l*NWR + j of the row) at
     base + row_byte[r] + 4*(word - LO) for words in [LO, HI). The [L, BT, NWR/4, 4] pointer
-    shape keeps each row's words in its own thread as 16-byte vector stores."""
-    ln = tl.arange(0, L)[:, None, None, None]
+    shape ([NWR/4, BT, L, 4] on 3.8+, see _load_rows) keeps each row's words in its own thread
+    as 16-byte vector stores."""
     if NWR >= 4:
-        q = tl.arange(0, NWR // 4)[None, None, :, None]
-        r = tl.arange(0, 4)[None, None, None, :]
-        m = ln * NWR + q * 4 + r
-        ok = valid[None, :, None, None] & (m >= LO) & (m < HI)
-        p32 = (base + row_byte[None, :, None, None]).to(tl.pointer_type(tl.int32))
-        tl.store(p32 + (m - LO), tl.reshape(w, [L, BT, NWR // 4, 4]), mask=ok)
+        if ROWS_FIRST:
+            ln = tl.arange(0, L)[:, None, None, None]
+            q = tl.arange(0, NWR // 4)[None, None, :, None]
+            r = tl.arange(0, 4)[None, None, None, :]
+            m = ln * NWR + q * 4 + r
+            ok = valid[None, :, None, None] & (m >= LO) & (m < HI)
+            p32 = (base + row_byte[None, :, None, None]).to(tl.pointer_type(tl.int32))
+            tl.store(p32 + (m - LO), tl.reshape(w, [L, BT, NWR // 4, 4]), mask=ok)
+        else:
+            q = tl.arange(0, NWR // 4)[:, None, None, None]
+            ln = tl.arange(0, L)[None, None, :, None]
+            r = tl.arange(0, 4)[None, None, None, :]
+            m = ln * NWR + q * 4 + r
+            ok = valid[None, :, None, None] & (m >= LO) & (m < HI)
+            p32 = (base + row_byte[None, :, None, None]).to(tl.pointer_type(tl.int32))
+            wt = tl.permute(tl.reshape(w, [L, BT, NWR // 4, 4]), (2, 1, 0, 3))
+            tl.store(p32 + (m - LO), wt, mask=ok)
     else:
-        m3 = tl.arange(0, L)[:, None, None] * NWR + tl.arange(0, NWR)[None, None, :]
-        ok3 = valid[None, :, None] & (m3 >= LO) & (m3 < HI)
-        p32 = (base + row_byte[None, :, None]).to(tl.pointer_type(tl.int32))
-        tl.store(p32 + (m3 - LO), w, mask=ok3)
+        if ROWS_FIRST:
+            m3 = tl.arange(0, L)[:, None, None] * NWR + tl.arange(0, NWR)[None, None, :]
+            ok3 = valid[None, :, None] & (m3 >= LO) & (m3 < HI)
+            p32 = (base + row_byte[None, :, None]).to(tl.pointer_type(tl.int32))
+            tl.store(p32 + (m3 - LO), w, mask=ok3)
+        else:
+            m3 = tl.arange(0, NWR)[:, None, None] + tl.arange(0, L)[None, None, :] * NWR
+            ok3 = valid[None, :, None] & (m3 >= LO) & (m3 < HI)
+            p32 = (base + row_byte[None, :, None]).to(tl.pointer_type(tl.int32))
+            tl.store(p32 + (m3 - LO), tl.permute(w, (2, 1, 0)), mask=ok3)
 
 
 @triton.jit
@@ -969,22 +1138,37 @@ def _unpack_plane(src, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr, SHIF
     if WORDS and FITS:
         PER: tl.constexpr = 32 // W
         NWR: tl.constexpr = C // PER  # words of this plane per lane row
-        ln = tl.arange(0, L)[:, None, None, None]
-        # [L, BT, NWR/4, 4] pointer shape keeps each row's words in its own thread
+        # [L, BT, NWR/4, 4] pointers ([NWR/4, BT, L, 4] on 3.8+, see _load_rows) keep each
+        # row's words in its own thread
         if NWR >= 4:
-            q = tl.arange(0, NWR // 4)[None, None, :, None]
-            r = tl.arange(0, 4)[None, None, None, :]
-            m = ln * NWR + q * 4 + r - G0 // PER
-            ok = valid[None, :, None, None] & (m >= 0) & (m < NG // PER)
-            p32 = (src + row_byte[None, :, None, None] + POFF).to(tl.pointer_type(tl.int32))
-            w = tl.load(p32 + m, mask=ok, other=0)
-            w = tl.reshape(w, [L, BT, NWR])
+            if ROWS_FIRST:
+                ln = tl.arange(0, L)[:, None, None, None]
+                q = tl.arange(0, NWR // 4)[None, None, :, None]
+                r = tl.arange(0, 4)[None, None, None, :]
+                m = ln * NWR + q * 4 + r - G0 // PER
+                ok = valid[None, :, None, None] & (m >= 0) & (m < NG // PER)
+                p32 = (src + row_byte[None, :, None, None] + POFF).to(tl.pointer_type(tl.int32))
+                w = tl.reshape(tl.load(p32 + m, mask=ok, other=0), [L, BT, NWR])
+            else:
+                q = tl.arange(0, NWR // 4)[:, None, None, None]
+                ln = tl.arange(0, L)[None, None, :, None]
+                r = tl.arange(0, 4)[None, None, None, :]
+                m = ln * NWR + q * 4 + r - G0 // PER
+                ok = valid[None, :, None, None] & (m >= 0) & (m < NG // PER)
+                p32 = (src + row_byte[None, :, None, None] + POFF).to(tl.pointer_type(tl.int32))
+                w = tl.load(p32 + m, mask=ok, other=0)
+                w = tl.reshape(tl.permute(w, (2, 1, 0, 3)), [L, BT, NWR])
         else:
-            q = tl.arange(0, NWR)[None, None, :]
-            m = tl.arange(0, L)[:, None, None] * NWR + q - G0 // PER
-            ok = valid[None, :, None] & (m >= 0) & (m < NG // PER)
-            p32 = (src + row_byte[None, :, None] + POFF).to(tl.pointer_type(tl.int32))
-            w = tl.load(p32 + m, mask=ok, other=0)
+            if ROWS_FIRST:
+                m = tl.arange(0, L)[:, None, None] * NWR + tl.arange(0, NWR)[None, None, :] - G0 // PER
+                ok = valid[None, :, None] & (m >= 0) & (m < NG // PER)
+                p32 = (src + row_byte[None, :, None] + POFF).to(tl.pointer_type(tl.int32))
+                w = tl.load(p32 + m, mask=ok, other=0)
+            else:
+                m = tl.arange(0, NWR)[:, None, None] + tl.arange(0, L)[None, None, :] * NWR - G0 // PER
+                ok = valid[None, :, None] & (m >= 0) & (m < NG // PER)
+                p32 = (src + row_byte[None, :, None] + POFF).to(tl.pointer_type(tl.int32))
+                w = tl.permute(tl.load(p32 + m, mask=ok, other=0), (2, 1, 0))
         sh = tl.arange(0, PER) * W
         vals = (w[:, :, :, None] >> sh[None, None, None, :]) & ((1 << W) - 1)
         vals = tl.reshape(vals, [L, BT, C])

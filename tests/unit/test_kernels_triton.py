@@ -105,6 +105,29 @@ CASES = {
     # a whole row per thread
     "tq3-d64-lanes1": Case("tq3", 64, "LBHNC", 16, torch.bfloat16, ((0, 21),),
                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1), heads=1),
+    # a whole row per thread (the lloyd default): in-register butterfly, carried-threshold
+    # quantizer for 1-4 bits, the select tree above, row-major gathers, word and byte planes
+    "tq4-d128-lanes1": Case("tq4", 128, "LBNHC", 16, torch.bfloat16, ((0, 40), (40, 9)),
+                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1)),
+    "k8v4-d256-lanes1-fp16": Case("k8v4", 256, "LBHNC", 32, torch.float16, ((0, 19),),
+                                  KernelConfig(num_warps=1, tile_rows=8, lanes=1, decode_lanes=1),
+                                  heads=1),
+    "k5v4-raw-d64-lanes1": Case("k5v4", 64, "LBNHC", 16, torch.bfloat16, ((0, 18),),
+                                KernelConfig(num_warps=2, tile_rows=32, lanes=1, decode_lanes=1)),
+    "raw-d128-lanes1": Case("raw", 128, "LBHNC", 16, torch.bfloat16, ((7, 20),),
+                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1), heads=1),
+    "bits1-bits2-d64-lanes1": Case(
+        custom(StreamSpec("lloyd", bits=1, center=True, sink_tokens=1),
+               StreamSpec("lloyd", bits=2), 103),
+        64, "LBHNC", 16, torch.bfloat16, ((0, 24), (24, 17)),
+        KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1),
+    ),
+    "hi-eighths-d64-lanes1": Case(
+        custom(StreamSpec("lloyd", bits=3, center=True, hi_eighths=2),
+               StreamSpec("lloyd", bits=5, sink_tokens=1, hi_eighths=1), 104),
+        64, "LBNHC", 32, torch.bfloat16, ((0, 12),),
+        KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1),
+    ),
     "bits1-bits6-d64": Case(
         custom(StreamSpec("lloyd", bits=1, center=True, sink_tokens=1),
                StreamSpec("lloyd", bits=6), 101),
@@ -171,6 +194,22 @@ def test_bytes_and_values_match_the_reference(name: str) -> None:
             touched[dst_blocks[t // case.block_size], t % case.block_size] = True
     assert bool((kd[~touched] == GUARD).all()) and bool((vd[~touched] == GUARD).all())
     assert not bool((kd[touched] == GUARD).all())
+
+
+# the pointer shapes of the other Triton generation (3.6 vs 3.8+, kernels._rows_first): the same
+# bytes must come out of either, so CI checks the family its own Triton does not pick
+OTHER_ORDER_CASES = ["tq4-d128-lanes1", "k3v2-d128-offset-lanes2", "tq4-d64-cpu-bs64-multitile",
+                     "hi-eighths-d64-fp16", "k8v4-d128-LBHNC-bs32-fp16", "bits1-bits2-d64-lanes1"]
+
+
+@pytest.mark.parametrize("name", OTHER_ORDER_CASES)
+def test_both_pointer_orders_give_the_same_bytes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import triton.language as tl
+
+    from turbowire.kernels import triton_codec
+
+    monkeypatch.setattr(triton_codec, "ROWS_FIRST", tl.constexpr(not triton_codec.ROWS_FIRST.value))
+    test_bytes_and_values_match_the_reference(name)
 
 
 def _raw_setup(chunks=((0, 20), (20, 12))):
