@@ -286,15 +286,12 @@ SWEEP_GEOMS = {**MODELS, "hd256 x4 heads": HD256}
 # launch shapes tried (tq4 and tq3, LBNHC): (geometry, KernelConfig fields); {} = the default
 SWEEP: list[tuple[str, dict[str, Any]]] = [
     ("Llama-3.1-8B", dict()),
-    ("Llama-3.1-8B", dict(lanes=1, decode_lanes=1)),  # a whole row per thread
-    ("Llama-3.1-8B", dict(lanes=2, decode_lanes=2)),
-    ("Llama-3.1-8B", dict(lanes=2, decode_lanes=2, num_warps=2)),
+    ("Llama-3.1-8B", dict(max_registers=128)),  # 4 encoder programs per SM instead of 3
+    ("Llama-3.1-8B", dict(max_registers=80)),  # decoder: 6 programs per SM instead of 5
+    ("Llama-3.1-8B", dict(max_registers=64)),
     ("SmolLM2-135M", dict()),
-    ("SmolLM2-135M", dict(lanes=1, decode_lanes=1)),
-    ("SmolLM2-135M", dict(lanes=1, decode_lanes=1, num_warps=2)),
+    ("SmolLM2-135M", dict(max_registers=96)),
     ("hd256 x4 heads", dict()),
-    ("hd256 x4 heads", dict(lanes=2, decode_lanes=2)),
-    ("hd256 x4 heads", dict(lanes=4, decode_lanes=4)),
 ]
 
 
