@@ -23,14 +23,12 @@ Smoke run on CPU (Triton interpreter, tiny shapes): ``TW_BENCH_SMOKE=1``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import sys
 import time
 import traceback
-import types
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,30 +39,10 @@ if os.environ.get("TW_BENCH_SMOKE") == "1":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
 
-def bootstrap() -> None:
-    """Make turbowire.codec / turbowire.kernels importable from a bare source tree."""
-    try:
-        import turbowire.kernels  # noqa: F401
+sys.path.insert(0, str(ROOT / "bench"))
+from source_tree import bootstrap_turbowire  # noqa: E402
 
-        return
-    except ImportError:
-        pass
-    pkg = types.ModuleType("turbowire")
-    pkg.__path__ = [str(ROOT / "turbowire")]  # type: ignore[attr-defined]
-    sys.modules["turbowire"] = pkg
-    for name in ("codec", "kernels"):
-        spec = importlib.util.spec_from_file_location(
-            f"turbowire.{name}", ROOT / name / "__init__.py",
-            submodule_search_locations=[str(ROOT / name)],
-        )
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        setattr(pkg, name, mod)
-        spec.loader.exec_module(mod)
-
-
-bootstrap()
+bootstrap_turbowire()
 
 import torch  # noqa: E402
 

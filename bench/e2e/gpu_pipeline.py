@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import logging
 import multiprocessing as mp
@@ -36,7 +35,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,25 +45,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def bootstrap_turbowire() -> None:
-    """Make ``turbowire.codec``/``turbowire.kernels`` importable from the repo without installing."""
-    try:
-        import turbowire.codec  # noqa: F401
-        import turbowire.kernels  # noqa: F401
-        return
-    except ImportError:
-        pass
-    pkg = types.ModuleType("turbowire")
-    pkg.__path__ = [str(REPO / "turbowire")]  # type: ignore[attr-defined]
-    sys.modules["turbowire"] = pkg
-    for name, folder in (("codec", "codec"), ("kernels", "kernels")):
-        spec = importlib.util.spec_from_file_location(
-            f"turbowire.{name}", REPO / folder / "__init__.py",
-            submodule_search_locations=[str(REPO / folder)])
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[f"turbowire.{name}"] = mod
-        setattr(pkg, name, mod)
-        spec.loader.exec_module(mod)
+    """``turbowire.codec``/``turbowire.kernels`` from the repo without installing (bench/source_tree.py)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from source_tree import bootstrap_turbowire as _bootstrap
+
+    _bootstrap()
 
 
 def import_nixl() -> Any:
