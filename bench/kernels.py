@@ -50,6 +50,7 @@ from turbowire.codec import Codec, list_presets  # noqa: E402
 from turbowire.kernels import (  # noqa: E402
     DecodeItem,
     EncodeItem,
+    KVScales,
     PagedKVLayout,
     decode_into,
     encode_into,
@@ -84,6 +85,9 @@ def sync() -> None:
 # ------------------------------------------------------------------------------------------
 # caches and items
 # ------------------------------------------------------------------------------------------
+FP8_SCALES = (0.0625, 0.0625)  # (k, v) scale of the fp8-cache checks
+
+
 def make_caches(layers: int, heads: int, dim: int, num_blocks: int, layout: str,
                 dtype: torch.dtype, device: str, fill: float | None = None, seed: int = 0):
     """One allocation for all layers, per-layer views as vLLM hands them to connectors."""
@@ -96,9 +100,11 @@ def make_caches(layers: int, heads: int, dim: int, num_blocks: int, layout: str,
         big = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
         big = big * 1.5 + torch.linspace(-2, 2, dim, device=device)  # channel offsets (K-like)
         big[..., 3] *= 6.0  # an outlier channel
+        if dtype == torch.float8_e4m3fn:  # vLLM's fp8 cache: values / the layer's scale
+            big = (big / FP8_SCALES[0]).clamp(-448, 448)
         big = big.to(dtype)
     else:
-        big = torch.full(shape, fill, device=device, dtype=dtype)
+        big = torch.full(shape, fill, device=device, dtype=torch.float32).to(dtype)
     views = [big[i] if layout == "LBNHC" else big[i].permute(0, 1, 3, 2, 4) for i in range(layers)]
     return big, views
 
@@ -163,10 +169,13 @@ def run_check(case: CheckCase) -> dict[str, Any]:
         chunks = [(0, 40), (40, 9)] if SMOKE else [(0, 256), (256, 100), (356, 17)]
         ntok = chunks[-1][0] + chunks[-1][1]
         enc, total = make_items(codec, layers, case.heads, src_ids, chunks)
+        fp8 = dtype == torch.float8_e4m3fn
+        scales = [KVScales(*FP8_SCALES)] * layers if fp8 else None
+        kw = {"kv_scales": FP8_SCALES} if fp8 else {}
         ref = torch.zeros(total, dtype=torch.uint8, device=DEVICE)
         tri = torch.full((total,), 0xA5, dtype=torch.uint8, device=DEVICE)
         for layer in range(layers):
-            encode_into(codec, layer, caches[layer], layout, enc[layer], ref, impl="reference")
+            encode_into(codec, layer, caches[layer], layout, enc[layer], ref, impl="reference", **kw)
         if DEVICE == "cuda" or os.environ.get("TW_BENCH_CPUREF") == "1":
             # informative: the reference on the CPU should write the same bytes as on the GPU
             try:
@@ -177,13 +186,14 @@ def run_check(case: CheckCase) -> dict[str, Any]:
                 cref = torch.zeros(total, dtype=torch.uint8)
                 for layer in range(layers):
                     encode_into(codec, layer, cpu_caches[layer], cpu_layout, enc[layer], cref,
-                                impl="reference")
+                                impl="reference", **kw)
                 out["cpu_ref_equal"] = bool(torch.equal(cref, ref.cpu()))
             except Exception as exc:  # noqa: BLE001 - reported, not part of the verdict
                 out["cpu_ref_equal"] = f"{type(exc).__name__}: {exc}"
 
         t1 = time.time()
-        written = EncodePlan(codec, [(i, caches[i], layout, enc[i]) for i in range(layers)], tri, cfg)
+        written = EncodePlan(codec, [(i, caches[i], layout, enc[i]) for i in range(layers)], tri, cfg,
+                             scales)
         written.launch()
         sync()
         out["compile_encode_s"] = round(time.time() - t1, 2)
@@ -202,14 +212,16 @@ def run_check(case: CheckCase) -> dict[str, Any]:
         _, dst_ref = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
         big_tri, dst_tri = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
         for layer in range(layers):
-            decode_into(codec, layer, dst_ref[layer], layout, dec[layer], ref, impl="reference")
+            decode_into(codec, layer, dst_ref[layer], layout, dec[layer], ref, impl="reference", **kw)
         t2 = time.time()
-        plan = DecodePlan(codec, [(i, dst_tri[i], layout, dec[i]) for i in range(layers)], tri, cfg)
+        plan = DecodePlan(codec, [(i, dst_tri[i], layout, dec[i]) for i in range(layers)], tri, cfg,
+                          scales)
         plan.launch()
         plan.check()
         sync()
         out["compile_decode_s"] = round(time.time() - t2, 2)
-        same = all(torch.equal(a, b) for a, b in zip(dst_ref, dst_tri))
+        same = all(torch.equal(a.view(torch.uint8) if fp8 else a, b.view(torch.uint8) if fp8 else b)
+                   for a, b in zip(dst_ref, dst_tri))
         out["decode_bitexact"] = same
         if not same:
             d = max(float((a.float() - b.float()).abs().max()) for a, b in zip(dst_ref, dst_tri))
@@ -221,18 +233,20 @@ def run_check(case: CheckCase) -> dict[str, Any]:
         touched = torch.zeros(nb, BLOCK, dtype=torch.bool, device=DEVICE)
         for t in range(ntok):
             touched[dst_ids[t // BLOCK], t % BLOCK] = True
-        out["guard_intact"] = bool((k[~touched] == 7.0).all()) and bool((v[~touched] == 7.0).all())
+        out["guard_intact"] = (bool((k[~touched].float() == 7.0).all())
+                               and bool((v[~touched].float() == 7.0).all()))
         # a corrupted chunk is refused and nothing is written
         tri[dec[1][1].in_offset + 200] ^= 0x40
         _, dst_bad = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
         try:
-            p = DecodePlan(codec, [(i, dst_bad[i], layout, dec[i]) for i in range(layers)], tri, cfg)
+            p = DecodePlan(codec, [(i, dst_bad[i], layout, dec[i]) for i in range(layers)], tri, cfg,
+                           scales)
             p.launch()
             p.check()
             out["corruption_refused"] = False
         except Exception as exc:  # noqa: BLE001 - the type is reported
             out["corruption_refused"] = type(exc).__name__
-        out["corruption_wrote_nothing"] = all(bool((c == 7.0).all()) for c in dst_bad)
+        out["corruption_wrote_nothing"] = all(bool((c.float() == 7.0).all()) for c in dst_bad)
         out["ok"] = bool(out["encode_bitexact"] and out["decode_bitexact"] and out["guard_intact"]
                          and out["corruption_refused"] and out["corruption_wrote_nothing"])
     except Exception as exc:  # noqa: BLE001
@@ -247,7 +261,8 @@ def check_cases(presets: list[str]) -> list[CheckCase]:
     """head_dim outer, the slowest compiles (hd256) first: the first wave's critical path."""
     if SMOKE:
         return [CheckCase(p, 64, 2, "LBNHC") for p in presets[:1]] + [
-            CheckCase("k8v4", 128, 2, "LBHNC", "float16")]
+            CheckCase("k8v4", 128, 2, "LBHNC", "float16"),
+            CheckCase("tq4", 64, 2, "LBNHC", "float8_e4m3fn")]
     cases = []
     for dim, heads in ((256, 2), (128, 8), (64, 3)):
         for preset in presets:
@@ -256,6 +271,10 @@ def check_cases(presets: list[str]) -> list[CheckCase]:
     for preset in ("k8v4", "tq4", "k3v2"):
         if preset in presets:
             cases.append(CheckCase(preset, 128, 8, "LBNHC", "float16"))
+    for preset in ("raw", "k8v4", "tq4", "k4v3"):  # fp8 e4m3 caches with a per-layer scale
+        if preset in presets:
+            cases.append(CheckCase(preset, 128, 8, "LBNHC", "float8_e4m3fn"))
+            cases.append(CheckCase(preset, 64, 3, "LBHNC", "float8_e4m3fn"))
     return cases
 
 
@@ -296,36 +315,40 @@ def copy_baselines(dense_bytes: int) -> dict[str, float]:
 def run_model(name: str, geom: dict[str, int], presets: list[str], layout: str,
               cfg: KernelConfig, log: Callable[[str], None],
               results: list[dict[str, Any]] | None = None,
-              on_result: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+              on_result: Callable[[], None] = lambda: None,
+              cache_dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     """Time every preset on one KV geometry; rows are appended to ``results`` as they come
-    (``on_result`` after each), a preset that fails is logged and skipped."""
+    (``on_result`` after each), a preset that fails is logged and skipped. ``cache_dtype``
+    float8_e4m3fn: vLLM's fp8 cache (1 byte per element, a scale per layer)."""
     layers, heads, dim = geom["layers"], geom["heads"], geom["dim"]
     nblocks_req = TOKENS // BLOCK
     nb = nblocks_req + 64
-    big, caches = make_caches(layers, heads, dim, nb, layout, torch.bfloat16, DEVICE, seed=1)
-    big_dst, dst = make_caches(layers, heads, dim, nb, layout, torch.bfloat16, DEVICE, fill=0.0)
+    big, caches = make_caches(layers, heads, dim, nb, layout, cache_dtype, DEVICE, seed=1)
+    big_dst, dst = make_caches(layers, heads, dim, nb, layout, cache_dtype, DEVICE, fill=0.0)
+    scales = [KVScales(*FP8_SCALES)] * layers if cache_dtype == torch.float8_e4m3fn else None
     layout_obj = PagedKVLayout.from_cache(caches[0])
     gen = torch.Generator().manual_seed(3)
     ids = torch.randperm(nb, generator=gen)[:nblocks_req].tolist()
     dids = torch.randperm(nb, generator=gen)[:nblocks_req].tolist()
-    dense = layers * TOKENS * heads * dim * 2 * 2
+    dense = layers * TOKENS * heads * dim * 2 * big.element_size()
     base = copy_baselines(dense)
     # the paged gather of the same blocks (all layers, K and V) into a contiguous buffer
-    rows = big.view(layers * 2 * nb, -1)
+    rows = (big.view(torch.uint8) if big.element_size() == 1 else big).view(layers * 2 * nb, -1)
     gidx = torch.tensor([(l * 2 + kv) * nb + b for l in range(layers) for kv in range(2) for b in ids],
                         device=DEVICE)
     gout = torch.empty(gidx.numel(), rows.shape[1], dtype=rows.dtype, device=DEVICE)
     gather_ms = bench_ms(lambda: torch.index_select(rows, 0, gidx, out=gout))
     base["gather_ms"] = gather_ms
     base["gather_GBps"] = 2 * dense / gather_ms / 1e6
-    log(f"{name} {layout}: dense {dense / 1e6:.1f} MB; copy {base['copy_GBps']:.0f} GB/s, "
+    log(f"{name} {layout} {str(cache_dtype).replace('torch.', '')}: dense {dense / 1e6:.1f} MB; copy {base['copy_GBps']:.0f} GB/s, "
         f"paged gather {base['gather_GBps']:.0f} GB/s")
     results = [] if results is None else results
     chunks = [(c, CHUNK) for c in range(0, TOKENS, CHUNK)]
     for preset in presets:
         try:
             results.append(_time_preset(name, preset, layout, layers, heads, dim, caches, dst,
-                                        layout_obj, ids, dids, chunks, dense, base, cfg, log))
+                                        layout_obj, ids, dids, chunks, dense, base, cfg, log,
+                                        scales))
             on_result()
         except Exception as exc:  # noqa: BLE001 - reported, the other presets still run
             log(f"  {preset} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}")
@@ -336,23 +359,26 @@ def run_model(name: str, geom: dict[str, int], presets: list[str], layout: str,
 
 
 def _time_preset(name, preset, layout, layers, heads, dim, caches, dst, layout_obj, ids, dids,
-                 chunks, dense, base, cfg, log) -> dict[str, Any]:
+                 chunks, dense, base, cfg, log, scales=None) -> dict[str, Any]:
     codec = Codec(preset, dim, layers)
     enc, total = make_items(codec, layers, heads, ids, chunks)
     staging = torch.zeros(total, dtype=torch.uint8, device=DEVICE)
     jobs = [(i, caches[i], layout_obj, enc[i]) for i in range(layers)]
-    batched = EncodePlan(codec, jobs, staging, cfg)
-    per_layer = [EncodePlan(codec, [job], staging, cfg) for job in jobs]
+    batched = EncodePlan(codec, jobs, staging, cfg, scales)
+    per_layer = [EncodePlan(codec, [job], staging, cfg, None if scales is None else [scales[i]])
+                 for i, job in enumerate(jobs)]
     batched.launch()
     sync()
     comp = sum(sum(w) for w in batched.written)
     dec = decode_items(enc, batched.written, dids)
     djobs = [(i, dst[i], layout_obj, dec[i]) for i in range(layers)]
-    dbatched = DecodePlan(codec, djobs, staging, cfg)
-    dper_layer = [DecodePlan(codec, [job], staging, cfg) for job in djobs]
+    dbatched = DecodePlan(codec, djobs, staging, cfg, scales)
+    dper_layer = [DecodePlan(codec, [job], staging, cfg, None if scales is None else [scales[i]])
+                  for i, job in enumerate(djobs)]
     dbatched.launch()
     dbatched.check()
-    r: dict[str, Any] = {"model": name, "layout": layout, "preset": preset,
+    r: dict[str, Any] = {"model": name + (" fp8 cache" if scales else ""), "layout": layout,
+                         "preset": preset,
                          "dense_MB": dense / 1e6, "wire_MB": comp / 1e6, "ratio": dense / comp}
     # registers / spill bytes per thread of each launch (encode; verify + decode)
     r["regs"] = [[getattr(k, "n_regs", None), getattr(k, "n_spills", None)]
@@ -363,7 +389,8 @@ def _time_preset(name, preset, layout, layers, heads, dim, caches, dst, layout_o
     r["dec_layer_ms"] = bench_ms(lambda: [p.launch() for p in dper_layer])
     # the full API per layer (host validation and tables included), as the connector calls it
     r["enc_api_ms"] = bench_ms(lambda: [
-        encode_into(codec, i, caches[i], layout_obj, enc[i], staging) for i in range(layers)])
+        encode_into(codec, i, caches[i], layout_obj, enc[i], staging,
+                    kv_scales=None if scales is None else FP8_SCALES) for i in range(layers)])
     # CUDA graph of the per-layer launches
     try:
         if SMOKE:
@@ -428,6 +455,8 @@ def main() -> int:
     ap.add_argument("--layouts", default="LBNHC,LBHNC")
     ap.add_argument("--check-presets", default=None,
                     help="presets of the correctness pass (default: --presets; '' for none)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time each model on an fp8 e4m3 cache (bytes counted at 1 per element)")
     ap.add_argument("--skip-table", action="store_true",
                     help="no model tables (e.g. a run of the launch-shape sweep alone)")
     ap.add_argument("--check-deadline", type=float, default=0.0,
@@ -565,6 +594,12 @@ def main() -> int:
                 run_model(name, geom, presets, layout, cfg, log, results, save_all)
             except Exception as exc:  # noqa: BLE001
                 log(f"{name} {layout} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        if args.fp8:  # the same model on vLLM's fp8 cache (1 byte per element, a scale per layer)
+            try:
+                run_model(name, geom, args.presets.split(","), "LBNHC", cfg, log, results,
+                          save_all, cache_dtype=torch.float8_e4m3fn)
+            except Exception as exc:  # noqa: BLE001
+                log(f"{name} fp8 failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     # 4. head_dim 256: one 256-wide transform vs two 128-wide groups (same bytes), throughput only
     nl = 1 if SMOKE else 8
     for name, geom in () if args.skip_table else (

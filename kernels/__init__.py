@@ -5,9 +5,10 @@ reference codec with vectorised torch gather/scatter elsewhere.
 """
 
 from turbowire.kernels.dispatch import DecodeItem, EncodeItem, decode_into, encode_into
+from turbowire.kernels.fp8_cache import KVScales
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
 
 __all__ = [
     "PagedKVLayout", "EncodeItem", "DecodeItem", "encode_into", "decode_into",
-    "BlockIndexError", "CacheLayoutError",
+    "BlockIndexError", "CacheLayoutError", "KVScales",
 ]

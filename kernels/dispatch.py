@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import torch
 
 from turbowire.codec import Codec
+from turbowire.kernels import fp8_cache
+from turbowire.kernels.fp8_cache import KVScales
 from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
 
 logger = logging.getLogger(__name__)
@@ -80,21 +82,29 @@ def encode_into(
     *,
     impl: str = "auto",
     kernel_config: Any = None,
+    kv_scales: KVScales | tuple[float, float] | None = None,
 ) -> list[int]:
-    """Encode each item's tokens of this layer into ``staging`` (uint8); bytes written per item."""
+    """Encode each item's tokens of this layer into ``staging`` (uint8); bytes written per item.
+
+    fp8 caches (float8_e4m3fn or uint8 bits) need the layer's ``kv_scales`` = (k_scale,
+    v_scale); their values are coded as bf16 (``kernels/fp8_cache.py``)."""
     from turbowire.kernels import triton_dispatch
 
+    scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
         return triton_dispatch.encode_into(
-            codec, layer, kv_cache, layout, items, staging, kernel_config
+            codec, layer, kv_cache, layout, items, staging, kernel_config, kv_scales=scales
         )
-    if _use_cpu(impl, codec, kv_cache, layout, staging):
+    if scales is None and _use_cpu(impl, codec, kv_cache, layout, staging):
         from turbowire.kernels import cpu_dispatch
 
         return cpu_dispatch.encode_into(codec, layer, kv_cache, layout, items, staging)
     written = []
     for item in items:
         k, v = layout.gather(kv_cache, item.block_ids, item.token_start, item.num_tokens)
+        if scales is not None:
+            ks, vs = scales.as_fp32()
+            k, v = fp8_cache.dequantize(k, ks), fp8_cache.dequantize(v, vs)
         enc = codec.encode(layer, k, v, tag=item.tag, token_offset=item.token_start)
         _check_range(staging, item.out_offset, enc.nbytes, "staging")
         staging[item.out_offset : item.out_offset + enc.nbytes] = enc.data.to(staging.device)
@@ -112,14 +122,19 @@ def decode_into(
     *,
     impl: str = "auto",
     kernel_config: Any = None,
+    kv_scales: KVScales | tuple[float, float] | None = None,
 ) -> None:
-    """Verify and decode every item, then scatter them; nothing is written if any item fails."""
+    """Verify and decode every item, then scatter them; nothing is written if any item fails.
+
+    fp8 caches need the layer's ``kv_scales`` (see ``encode_into``)."""
     from turbowire.kernels import triton_dispatch
 
+    scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
-        triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config)
+        triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
+                                    kv_scales=scales)
         return
-    if _use_cpu(impl, codec, kv_cache, layout, source):
+    if scales is None and _use_cpu(impl, codec, kv_cache, layout, source):
         from turbowire.kernels import cpu_dispatch
 
         cpu_dispatch.decode_into(codec, layer, kv_cache, layout, items, source)
@@ -135,5 +150,10 @@ def decode_into(
         # validate the destination before anything is written
         layout.token_index(item.block_ids, item.token_start, item.num_tokens)
         decoded.append((item, k, v))
+    if scales is not None:
+        ks, vs = scales.as_fp32()
+        decoded = [(item, fp8_cache.quantize(k, ks), fp8_cache.quantize(v, vs))
+                   for item, k, v in decoded]
+        kv_cache = fp8_cache.as_e4m3(kv_cache)
     for item, k, v in decoded:
         layout.scatter(kv_cache, item.block_ids, item.token_start, k, v)

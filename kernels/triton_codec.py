@@ -39,9 +39,9 @@ KIND_LLOYD = 2
 # Item table columns (int64). Host code indexes with the plain ints of ENCODE_FIELDS /
 # DECODE_FIELDS; kernels read the tl.constexpr copies below.
 ENCODE_FIELDS = ("koff", "voff", "start", "tokens", "pow2", "out", "blk", "tag_lo", "tag_hi",
-                 "layer", "body", "kbytes")
+                 "layer", "body", "kbytes", "kscale", "vscale")
 DECODE_FIELDS = ("koff", "voff", "start", "tokens", "in", "nbytes", "blk", "tag_lo", "tag_hi",
-                 "has_tag", "layer", "body", "kbytes", "nsplit")
+                 "has_tag", "layer", "body", "kbytes", "nsplit", "kscale", "vscale")
 E_KOFF = tl.constexpr(0)
 E_VOFF = tl.constexpr(1)
 E_START = tl.constexpr(2)
@@ -54,6 +54,8 @@ E_TAGHI = tl.constexpr(8)
 E_LAYER = tl.constexpr(9)
 E_BODY = tl.constexpr(10)
 E_KBYTES = tl.constexpr(11)
+E_KSCALE = tl.constexpr(12)  # fp8 caches: the layer's K / V scale as fp32 bits (else 1.0)
+E_VSCALE = tl.constexpr(13)
 E_FIELDS = tl.constexpr(len(ENCODE_FIELDS))
 D_KOFF = tl.constexpr(0)
 D_VOFF = tl.constexpr(1)
@@ -69,6 +71,8 @@ D_LAYER = tl.constexpr(10)
 D_BODY = tl.constexpr(11)
 D_KBYTES = tl.constexpr(12)
 D_NSPLIT = tl.constexpr(13)
+D_KSCALE = tl.constexpr(14)
+D_VSCALE = tl.constexpr(15)
 D_FIELDS = tl.constexpr(len(DECODE_FIELDS))
 
 # verify status bits (a failing chunk is re-checked by the reference on the host for the message)
@@ -433,6 +437,40 @@ def _e4m3_bits(v):
 
 
 @triton.jit
+def _scale_at(ip, FIELD: tl.constexpr):
+    """An fp32 stored as its bits in the int64 item table."""
+    return tl.load(ip + FIELD).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _src_vals(x, scale, MANUAL: tl.constexpr):
+    """Cache values as the chunk's source values. An fp8 cache (uint8 bits of e4m3, with the
+    layer's scale) becomes bf16(fp32(q) * scale), rounded to nearest even
+    (kernels/fp8_cache.py); bf16/fp16 caches are their own source values."""
+    if x.dtype == tl.uint8:
+        xf = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        if MANUAL:
+            bits = xf.to(tl.int32, bitcast=True)
+            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            return xf.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def _fp8_cache_bits(x, scale, MANUAL: tl.constexpr):
+    """Source values (fp32) -> e4m3 bits of x / scale, clamped to +-448, as vLLM's fp8 cache
+    writer stores them."""
+    v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    if MANUAL:
+        return _e4m3_bits(v)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def _wsum_words(words, word_idx):
     """wsum32 contribution (mod 2**32, as int32) of words at body word indices word_idx."""
     prod = words.to(tl.int32) * (word_idx.to(tl.int32) * 2 + 1)
@@ -608,7 +646,7 @@ def _sum_tile(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk, 
 @triton.jit
 def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, stride_tok,
                stride_head, block_size, D: tl.constexpr, BT: tl.constexpr, LV: tl.constexpr,
-               NUM_WARPS: tl.constexpr):
+               NUM_WARPS: tl.constexpr, sc, MANUAL: tl.constexpr):
     """Per-channel sum of the chunk's T tokens of head h in the reference's order: tokens padded
     with +0 to P = next power of two, adjacent pairs folded. Tiles of BT aligned rows are exact
     subtrees; a binary counter (LV levels) folds the tile sums. The tile is laid out with tokens
@@ -638,8 +676,9 @@ def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, 
     for i in range(0, n_tiles):
         t = tl.reshape(i * BT + tl.arange(0, BT), [1, TH, TL_, 1])
         m = (t < T) & (b < 8)
-        x = _sum_tile(kv_ptr, blocks_ptr, blk0, start, T, i * BT, layer_off, h, stride_blk,
-                      stride_tok, stride_head, block_size, D, BT, TH, TL_).to(tl.float32)
+        x = _src_vals(_sum_tile(kv_ptr, blocks_ptr, blk0, start, T, i * BT, layer_off, h,
+                                stride_blk, stride_tok, stride_head, block_size, D, BT, TH, TL_),
+                      sc, MANUAL).to(tl.float32)
         # rows in [T, P) are the reference's +0 padding; rows past P (P < BT) must not change
         # any sum, so they are -0 (x + -0 == x for every x, +0 included)
         pad = tl.where(t < P, 0.0, -0.0)
@@ -789,15 +828,16 @@ def _pack_group(code, out_ptr, row_byte, valid, G0: tl.constexpr, NG: tl.constex
 @triton.jit
 def _enc_raw(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
              stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr, L: tl.constexpr,
-             BT: tl.constexpr):
+             BT: tl.constexpr, sc, MANUAL: tl.constexpr):
     C: tl.constexpr = D // L
     cs = tl.zeros([L, BT], tl.int32)
     wcol = tl.arange(0, L)[:, None, None] * (C // 2) + tl.arange(0, C // 2)[None, None, :]
     for t0 in range(0, T, BT):
         t = t0 + tl.arange(0, BT)
         valid = t < T
-        x = _tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk,
-                       stride_tok, stride_head, block_size, L, BT, C)
+        x = _src_vals(_tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h,
+                                 stride_blk, stride_tok, stride_head, block_size, L, BT, C),
+                      sc, MANUAL)
         rb = s_off + (t.to(tl.int64) * H + h) * (D * 2)  # body byte offset of each row
         dst = (out_ptr + body0).to(tl.pointer_type(x.dtype))
         _store_rows(dst, rb // 2, valid, x, L, BT, C)
@@ -809,7 +849,7 @@ def _enc_raw(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0
 @triton.jit
 def _enc_fp8(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
              stride_blk, stride_tok, stride_head, block_size, D: tl.constexpr, L: tl.constexpr,
-             BT: tl.constexpr, FP8_MANUAL: tl.constexpr):
+             BT: tl.constexpr, FP8_MANUAL: tl.constexpr, sc):
     C: tl.constexpr = D // L
     scales_off = s_off
     codes_off = tl.multiple_of(s_off + _align16(T * H * 2), 16)
@@ -820,7 +860,7 @@ def _enc_fp8(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0
         valid = t < T
         row = _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
                            stride_head, block_size)
-        x = _load_rows(kv_ptr, row, valid, L, BT, C).to(tl.float32)
+        x = _src_vals(_load_rows(kv_ptr, row, valid, L, BT, C), sc, FP8_MANUAL).to(tl.float32)
         amax = tl.max(tl.max(tl.abs(x), axis=2), axis=0)  # [BT]
         scale = tl.minimum(tl.div_rn(amax, 448.0), 65504.0).to(tl.float16)
         s32 = scale.to(tl.float32)
@@ -857,7 +897,7 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
                BITS: tl.constexpr,
                CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr, WORDS: tl.constexpr,
                QMODE: tl.constexpr, SQRT_D: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
-               NUM_WARPS: tl.constexpr):
+               NUM_WARPS: tl.constexpr, sc, MANUAL: tl.constexpr):
     C: tl.constexpr = D // L
     LOGC: tl.constexpr = C.bit_length() - 1
     R: tl.constexpr = (NHI * (BITS + 1) + (D - NHI) * BITS) // 8
@@ -878,7 +918,7 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
     mp = (out_ptr + body0 + mean_off).to(tl.pointer_type(tl.float16)) + h * D
     if CENTER:
         tot = _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk,
-                         stride_tok, stride_head, block_size, D, SBT, LV, NUM_WARPS)
+                         stride_tok, stride_head, block_size, D, SBT, LV, NUM_WARPS, sc, MANUAL)
         mean16 = tl.div_rn(tot, T.to(tl.float32)).to(tl.float16)  # [D/8, 8]
         md = tl.arange(0, D // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(mp + md, mean16)
@@ -890,8 +930,9 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
     for t0 in range(0, T, BT):
         t = t0 + tl.arange(0, BT)
         valid = t < T
-        x16 = _tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk,
-                         stride_tok, stride_head, block_size, L, BT, C)
+        x16 = _src_vals(_tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h,
+                                   stride_blk, stride_tok, stride_head, block_size, L, BT, C),
+                        sc, MANUAL)
         ri = t.to(tl.int64) * H + h
         if SINK > 0:
             if t0 < S:
@@ -953,18 +994,18 @@ def _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_o
                 BITS: tl.constexpr, CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr,
                 WORDS: tl.constexpr, QMODE: tl.constexpr, FP8_MANUAL: tl.constexpr,
                 SQRT_D: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
-                NUM_WARPS: tl.constexpr):
+                NUM_WARPS: tl.constexpr, sc):
     if KIND == 0:
         return _enc_raw(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
-                        stride_blk, stride_tok, stride_head, block_size, D, L, BT)
+                        stride_blk, stride_tok, stride_head, block_size, D, L, BT, sc, FP8_MANUAL)
     elif KIND == 1:
         return _enc_fp8(kv_ptr, out_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0, s_off,
-                        stride_blk, stride_tok, stride_head, block_size, D, L, BT, FP8_MANUAL)
+                        stride_blk, stride_tok, stride_head, block_size, D, L, BT, FP8_MANUAL, sc)
     else:
         return _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
                           body0, s_off, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
                           SBT, LV, BITS, CENTER, SINK, NHI, WORDS, QMODE, SQRT_D, S1M, S2M,
-                          NUM_WARPS)
+                          NUM_WARPS, sc, FP8_MANUAL)
 
 
 @triton.jit
@@ -1023,14 +1064,14 @@ def encode_kernel(
         cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
                          body0, 0, stride_blk, stride_tok, stride_head, block_size, D, L, BT, SBT, LV,
                          K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, QMODE, FP8_MANUAL,
-                         SQRT_D, S1M, S2M, NUM_WARPS)
+                         SQRT_D, S1M, S2M, NUM_WARPS, _scale_at(ip, E_KSCALE))
     else:
         layer_off = tl.multiple_of(tl.load(ip + E_VOFF), 16)
         s_off = tl.multiple_of(tl.load(ip + E_KBYTES), 16)
         cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
                          body0, s_off, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
                          SBT, LV, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, QMODE, FP8_MANUAL,
-                         SQRT_D, S1M, S2M, NUM_WARPS)
+                         SQRT_D, S1M, S2M, NUM_WARPS, _scale_at(ip, E_VSCALE))
     tl.atomic_add(acc_ptr + item * 2, cs, sem="relaxed")
     done = tl.atomic_add(acc_ptr + item * 2 + 1, 1, sem="acq_rel")
     if done == 2 * H - 1:
@@ -1220,9 +1261,16 @@ def _cvt(x, DT: tl.constexpr, MANUAL: tl.constexpr):
 
 
 @triton.jit
-def _to_cache(xf, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr):
-    """Round fp32 to the chunk's source dtype (as the reference does), then to the cache's."""
-    if src_fp16:
+def _to_cache(xf, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, sc):
+    """Round fp32 to the chunk's source dtype (as the reference does), then to the cache's
+    (uint8: an fp8 e4m3 cache with scale sc, see _fp8_cache_bits)."""
+    if OUT_DTYPE == tl.uint8:
+        if src_fp16:
+            xs = _cvt(xf, tl.float16, MANUAL).to(tl.float32)
+        else:
+            xs = _cvt(xf, tl.bfloat16, MANUAL).to(tl.float32)
+        y = _fp8_cache_bits(xs, sc, MANUAL)
+    elif src_fp16:
         if OUT_DTYPE == tl.float16:
             y = _cvt(xf, tl.float16, MANUAL)
         else:
@@ -1236,9 +1284,15 @@ def _to_cache(xf, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr):
 
 
 @triton.jit
-def _from_bits(bits16, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr):
+def _from_bits(bits16, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, sc):
     """Source-dtype values given as int16 bits -> the cache's dtype."""
-    if src_fp16:
+    if OUT_DTYPE == tl.uint8:
+        if src_fp16:
+            xs = bits16.to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            xs = bits16.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        y = _fp8_cache_bits(xs, sc, MANUAL)
+    elif src_fp16:
         if OUT_DTYPE == tl.float16:
             y = bits16.to(tl.float16, bitcast=True)
         else:
@@ -1256,7 +1310,8 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
                 s_off, src_fp16, stride_blk, stride_tok, stride_head, block_size,
                 D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, KIND: tl.constexpr,
                 BITS: tl.constexpr, CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr,
-                WORDS: tl.constexpr, MANUAL: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr):
+                WORDS: tl.constexpr, MANUAL: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
+                sc):
     C: tl.constexpr = D // L
     OUT_DTYPE: tl.constexpr = kv_ptr.dtype.element_ty
     dcol = tl.arange(0, L)[:, None, None] * C + tl.arange(0, C)[None, None, :]
@@ -1282,14 +1337,14 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
         if KIND == 0:
             rb = s_off + ri * (D * 2)
             bits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), rb // 2, valid, L, BT, C)
-            y = _from_bits(bits, src_fp16, OUT_DTYPE, MANUAL)
+            y = _from_bits(bits, src_fp16, OUT_DTYPE, MANUAL, sc)
         elif KIND == 1:
             sp = (src_ptr + body0 + s_off).to(tl.pointer_type(tl.float16))
             s32 = tl.load(sp + ri, mask=valid, other=0.0).to(tl.float32)
             cb = s_off + _align16(T * H * 2) + ri * D
             q = _load_rows(src_ptr + body0, cb, valid, L, BT, C)
             xf = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s32[None, :, None]
-            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL)
+            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL, sc)
         else:
             cb = codes_off + ri * R
             if NHI > 0:
@@ -1310,13 +1365,13 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
             xf = xf * s32[None, :, None]
             if CENTER:
                 xf = xf + _load_rows(mp, zrow, valid, L, BT, C).to(tl.float32)
-            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL)
+            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL, sc)
             if SINK > 0:
                 if t0 < S:
                     sv = valid & (t < S)
                     sb = sink_off + ri * (D * 2)
                     sbits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), sb // 2, sv, L, BT, C)
-                    y = tl.where(sv[None, :, None], _from_bits(sbits, src_fp16, OUT_DTYPE, MANUAL), y)
+                    y = tl.where(sv[None, :, None], _from_bits(sbits, src_fp16, OUT_DTYPE, MANUAL, sc), y)
         _store_rows(kv_ptr, row, valid, y, L, BT, C)
 
 
@@ -1348,10 +1403,12 @@ def decode_kernel(
             layer_off = tl.multiple_of(tl.load(ip + D_KOFF), 16)
             _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
                         0, src_fp16, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
-                        K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M, S2M)
+                        K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M, S2M,
+                        _scale_at(ip, D_KSCALE))
         else:
             layer_off = tl.multiple_of(tl.load(ip + D_VOFF), 16)
             s_off = tl.multiple_of(tl.load(ip + D_KBYTES), 16)
             _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
                         s_off, src_fp16, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
-                        V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M, S2M)
+                        V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M, S2M,
+                        _scale_at(ip, D_VSCALE))

@@ -26,6 +26,7 @@ from turbowire.codec.errors import ChecksumError, TruncatedPayloadError
 from turbowire.codec.packing import plane_widths
 from turbowire.codec.rotation import sign_tables
 from turbowire.codec.wire import HEADER_BYTES
+from turbowire.kernels.fp8_cache import KVScales, is_fp8_cache
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8)
 _KIND_CODES = {"raw": 0, "fp8": 1, "lloyd": 2}
 _MAX_LEVELS = 14  # binary-counter levels of the chunk-mean token fold (16384 tiles)
 
@@ -123,7 +124,8 @@ def triton_available() -> bool:
 
 
 def applies(codec: Any, kv_cache: torch.Tensor) -> bool:
-    """True where the Triton kernels serve: CUDA caches of bf16/fp16 with a supported head_dim."""
+    """True where the Triton kernels serve: CUDA caches of bf16/fp16 (or fp8 e4m3 with the
+    layer's scales) with a supported head_dim."""
     return (
         kv_cache.is_cuda
         and kv_cache.dtype in SUPPORTED_DTYPES
@@ -383,13 +385,45 @@ def _check_jobs(codec: Codec, jobs: Sequence[tuple[int, torch.Tensor, PagedKVLay
     if lay0.head_dim != codec.head_dim:
         raise CacheLayoutError(f"cache head_dim {lay0.head_dim} != codec head_dim {codec.head_dim}")
     if base.dtype not in SUPPORTED_DTYPES:
-        raise CacheLayoutError(f"the Triton kernels code bf16/fp16 caches, got {base.dtype}")
+        raise CacheLayoutError(
+            f"the Triton kernels code bf16/fp16/fp8-e4m3 caches, got {base.dtype}")
     if buf.device != base.device:
         raise CacheLayoutError(f"{what} is on {buf.device}, the cache on {base.device}")
     for _layer, cache, layout, _items in jobs:
         if cache.dtype != base.dtype or cache.device != base.device or layout != lay0:
             raise CacheLayoutError("all layers of one call must share dtype, device and geometry")
     return base, lay0
+
+
+def _scale_columns(base: torch.Tensor, n_jobs: int,
+                   kv_scales: Sequence[KVScales | None] | None) -> list[tuple[int, int]]:
+    """Per job, the (K, V) scale columns of the item table as fp32 bits: the layer's scales for
+    fp8 caches (required), 1.0 otherwise (refused if given)."""
+    one = _f32_bits(1.0)
+    scales = list(kv_scales) if kv_scales is not None else [None] * n_jobs
+    if len(scales) != n_jobs:
+        raise ValueError(f"kv_scales has {len(scales)} entries for {n_jobs} layers")
+    if not is_fp8_cache(base):
+        if any(sc is not None for sc in scales):
+            raise CacheLayoutError(f"kv_scales only apply to fp8 caches; this cache is {base.dtype}")
+        return [(one, one)] * n_jobs
+    cols = []
+    for sc in scales:
+        if sc is None:
+            raise CacheLayoutError(
+                f"a {base.dtype} cache is read as fp8 e4m3 and needs every layer's K/V scales")
+        k, v = sc.as_fp32()
+        cols.append((_f32_bits(k), _f32_bits(v)))
+    return cols
+
+
+def _f32_bits(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float32).view(torch.int32)[0])
+
+
+def _kernel_cache(base: torch.Tensor) -> torch.Tensor:
+    """The tensor handed to the kernels: fp8 caches as their uint8 bits."""
+    return base.view(torch.uint8) if is_fp8_cache(base) else base
 
 
 class EncodePlan:
@@ -403,6 +437,7 @@ class EncodePlan:
         jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["EncodeItem"]]],
         staging: torch.Tensor,
         config: KernelConfig | None = None,
+        kv_scales: Sequence[KVScales | None] | None = None,
     ) -> None:
         cfg = config or DEFAULT_CONFIG
         self.written: list[list[int]] = []
@@ -411,11 +446,12 @@ class EncodePlan:
         if not jobs:
             return
         base, lay0 = _check_jobs(codec, jobs, staging, "staging")
+        scale_cols = _scale_columns(base, len(jobs), kv_scales)
         dim = codec.head_dim
         launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
         spans: list[tuple[int, int, str]] = []
         strides = None
-        for layer, cache, layout, items in jobs:
+        for (layer, cache, layout, items), (kscale, vscale) in zip(jobs, scale_cols):
             geom = _cache_geom(cache, layout, base)
             if strides is not None and geom.strides != strides:
                 raise CacheLayoutError("all layers of one call must share cache strides")
@@ -438,7 +474,7 @@ class EncodePlan:
                 launch.rows.append([
                     geom.k_off, geom.v_off, item.token_start, item.num_tokens, p, item.out_offset,
                     blk0, item.tag & 0xFFFFFFFF, item.tag >> 32, layer,
-                    nbytes - HEADER_BYTES, kbytes,
+                    nbytes - HEADER_BYTES, kbytes, kscale, vscale,
                 ])
                 sizes.append(nbytes)
             self.written.append(sizes)
@@ -446,7 +482,7 @@ class EncodePlan:
         assert strides is not None
         device = base.device
         tab = _tables(dim, device)
-        dtype_code = 1 if base.dtype == torch.bfloat16 else 2
+        dtype_code = 2 if base.dtype == torch.float16 else 1  # fp8 caches are coded as bf16
         sqrt_d = float(torch.tensor(math.sqrt(dim), dtype=torch.float32))
         for (kspec, vspec), launch in launches.items():
             n = len(launch.rows)
@@ -464,7 +500,8 @@ class EncodePlan:
             acc = torch.zeros(2 * n, dtype=torch.int32, device=device)
             consts = {**_stream_consts(kspec, dim).prefixed("K"),
                       **_stream_consts(vspec, dim).prefixed("V")}
-            args = (base, staging, table, blocks, tab, acc, strides[0], strides[1], strides[2],
+            args = (_kernel_cache(base), staging, table, blocks, tab, acc, strides[0], strides[1],
+                    strides[2],
                     lay0.block_size, lay0.num_heads, codec.preset.preset_id, codec.num_layers,
                     dtype_code)
             kwargs = dict(
@@ -493,6 +530,7 @@ class DecodePlan:
         jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["DecodeItem"]]],
         source: torch.Tensor,
         config: KernelConfig | None = None,
+        kv_scales: Sequence[KVScales | None] | None = None,
     ) -> None:
         cfg = config or DEFAULT_CONFIG
         self.codec = codec
@@ -505,13 +543,14 @@ class DecodePlan:
         if not jobs:
             return
         base, lay0 = _check_jobs(codec, jobs, source, "source")
+        scale_cols = _scale_columns(base, len(jobs), kv_scales)
         dim = codec.head_dim
         vw = cfg.verify_words
         launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
         all_rows: list[list[int]] = []
         slot_spans: dict[int, list[tuple[int, int, str]]] = {}
         strides = None
-        for layer, cache, layout, items in jobs:
+        for (layer, cache, layout, items), (kscale, vscale) in zip(jobs, scale_cols):
             geom = _cache_geom(cache, layout, base)
             if strides is not None and geom.strides != strides:
                 raise CacheLayoutError("all layers of one call must share cache strides")
@@ -539,6 +578,7 @@ class DecodePlan:
                     geom.k_off, geom.v_off, item.token_start, item.num_tokens, item.in_offset,
                     item.nbytes, blk0, (tag or 0) & 0xFFFFFFFF, (tag or 0) >> 32,
                     int(tag is not None), layer, body, kbytes, max(1, -(-(body // 4) // vw)),
+                    kscale, vscale,
                 ]
                 launch.rows.append(row)
                 all_rows.append(row)
@@ -557,7 +597,7 @@ class DecodePlan:
         self.fails = torch.zeros(1, dtype=torch.int32, device=device)
         from turbowire.kernels import triton_codec as tk
 
-        max_split = max(r[-1] for r in all_rows)
+        max_split = max(r[13] for r in all_rows)  # the nsplit column
         self._calls.append((
             tk.verify_kernel, (n_all, max_split),
             (source, vtable, acc, self.status, self.fails, lay0.num_heads,
@@ -577,7 +617,8 @@ class DecodePlan:
             bt = cfg.tile_rows_for(dim, False, tf)
             self._calls.append((
                 tk.decode_kernel, (n * 2 * lay0.num_heads,),
-                (base, source, table, blocks, tab, self.fails, strides[0], strides[1], strides[2],
+                (_kernel_cache(base), source, table, blocks, tab, self.fails, strides[0], strides[1],
+                 strides[2],
                  lay0.block_size, lay0.num_heads),
                 dict(D=dim, L=lanes, BT=bt, **consts, MANUAL=interpreting(),
                      S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), **cfg.launch_options(),
@@ -613,9 +654,11 @@ def encode_into(
     items: Sequence["EncodeItem"],
     staging: torch.Tensor,
     config: KernelConfig | None = None,
+    kv_scales: KVScales | None = None,
 ) -> list[int]:
     """Encode items of one layer into ``staging``; bytes written per item."""
-    return encode_layers_into(codec, [(layer, kv_cache, layout, items)], staging, config)[0]
+    return encode_layers_into(codec, [(layer, kv_cache, layout, items)], staging, config,
+                              None if kv_scales is None else [kv_scales])[0]
 
 
 def encode_layers_into(
@@ -623,11 +666,13 @@ def encode_layers_into(
     jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["EncodeItem"]]],
     staging: torch.Tensor,
     config: KernelConfig | None = None,
+    kv_scales: Sequence[KVScales | None] | None = None,
 ) -> list[list[int]]:
     """Encode (layer, cache, layout, items) jobs with one launch per distinct layer policy.
 
-    All caches must share dtype, geometry and strides (one model); returns bytes per item."""
-    plan = EncodePlan(codec, jobs, staging, config)
+    All caches must share dtype, geometry and strides (one model); returns bytes per item.
+    fp8 caches need ``kv_scales``, one (K, V) pair per job."""
+    plan = EncodePlan(codec, jobs, staging, config, kv_scales)
     plan.launch()
     return plan.written
 
@@ -640,9 +685,11 @@ def decode_into(
     items: Sequence["DecodeItem"],
     source: torch.Tensor,
     config: KernelConfig | None = None,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """Verify every chunk, then decode and scatter them; nothing is written if any fails."""
-    decode_layers_into(codec, [(layer, kv_cache, layout, items)], source, config)
+    decode_layers_into(codec, [(layer, kv_cache, layout, items)], source, config,
+                       None if kv_scales is None else [kv_scales])
 
 
 def decode_layers_into(
@@ -650,11 +697,12 @@ def decode_layers_into(
     jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["DecodeItem"]]],
     source: torch.Tensor,
     config: KernelConfig | None = None,
+    kv_scales: Sequence[KVScales | None] | None = None,
 ) -> None:
     """Decode (layer, cache, layout, items) jobs: one verify launch for all chunks, then one
     decode launch per distinct layer policy; raises the reference's exception for the first
     chunk that fails verification (nothing is written then)."""
-    plan = DecodePlan(codec, jobs, source, config)
+    plan = DecodePlan(codec, jobs, source, config, kv_scales)
     plan.launch()
     plan.check()
 

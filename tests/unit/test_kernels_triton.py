@@ -34,6 +34,7 @@ from turbowire.codec import (  # noqa: E402
 from turbowire.codec.presets import LayerPolicy, Preset  # noqa: E402
 from turbowire.kernels import (  # noqa: E402
     BlockIndexError,
+    CacheLayoutError,
     DecodeItem,
     EncodeItem,
     PagedKVLayout,
@@ -300,3 +301,80 @@ def test_several_layers_and_policies_in_one_call() -> None:
     decode_layers_into(codec, [(i, dst[i], layout, dec[i]) for i in range(3)], out, SMALL)
     for a, b in zip(dst, dst_ref):
         assert torch.equal(a, b)
+
+
+# fp8 e4m3 caches (vLLM --kv-cache-dtype fp8): values enter as bf16(fp32(q) * scale) and leave as
+# e4m3(x / scale); the Triton kernels must give the reference's bytes and cache bits
+FP8_SCALES = (0.0625, 0.11)
+FP8_CASES = {
+    "tq4-d64-LBNHC-f8": ("tq4", 64, "LBNHC", torch.float8_e4m3fn, SMALL),
+    "k8v4-d128-LBHNC-u8": ("k8v4", 128, "LBHNC", torch.uint8, KernelConfig(num_warps=1, tile_rows=16, qmode=0)),
+    "raw-d64-u8-lanes1": ("raw", 64, "LBNHC", torch.uint8,
+                          KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1)),
+    "tq3-d128-f8-lanes1": ("tq3", 128, "LBHNC", torch.float8_e4m3fn,
+                           KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1)),
+}
+
+
+def make_fp8_cache(kind: str, dim: int, storage: torch.dtype, seed: int, fill=None) -> torch.Tensor:
+    x = make_cache(kind, 16, 2, dim, torch.float32, seed, fill=fill)
+    scale = torch.tensor([FP8_SCALES[0], FP8_SCALES[1]]).reshape(2, 1, 1, 1, 1)
+    q = (x / (1.0 if fill is not None else scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8) if storage == torch.uint8 else q
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_caches_match_the_reference(name: str) -> None:
+    preset, dim, kind, storage, cfg = FP8_CASES[name]
+    case = Case(preset, dim, kind, 16, torch.bfloat16, ((0, 37), (37, 9)), cfg)
+    src = make_fp8_cache(kind, dim, storage, seed=5)
+    layout = PagedKVLayout.from_cache(src)
+    codec = Codec(preset, dim, 3)
+    src_blocks, dst_blocks = [7, 2, 9, 0, 4, 5], [1, 8, 3, 6, 0, 5]
+    enc_items, _ = _items(case, src_blocks, dst_blocks)
+    ref = torch.zeros(len(case.chunks) << 16, dtype=torch.uint8)
+    out = torch.full_like(ref, 0xA5)
+    w_ref = encode_into(codec, 1, src, layout, enc_items, ref, impl="reference", kv_scales=FP8_SCALES)
+    w_tri = encode_into(codec, 1, src, layout, enc_items, out, impl="triton", kernel_config=cfg,
+                        kv_scales=FP8_SCALES)
+    assert w_tri == w_ref
+    for item, n in zip(enc_items, w_ref):
+        assert torch.equal(ref[item.out_offset : item.out_offset + n], out[item.out_offset : item.out_offset + n])
+    _, dec_items = _items(case, src_blocks, dst_blocks, w_ref)
+    dst_ref = make_fp8_cache(kind, dim, storage, 0, fill=GUARD)
+    dst_tri = make_fp8_cache(kind, dim, storage, 0, fill=GUARD)
+    decode_into(codec, 1, dst_ref, layout, dec_items, ref, impl="reference", kv_scales=FP8_SCALES)
+    decode_into(codec, 1, dst_tri, layout, dec_items, out, impl="triton", kernel_config=cfg,
+                kv_scales=FP8_SCALES)
+    bits_ref, bits_tri = dst_ref.view(torch.uint8), dst_tri.view(torch.uint8)
+    assert torch.equal(bits_tri, bits_ref)
+    guard = make_fp8_cache(kind, dim, storage, 0, fill=GUARD).view(torch.uint8)
+    kd, vd = layout.views(bits_tri)
+    kg, _ = layout.views(guard)
+    touched = torch.zeros(NUM_BLOCKS, 16, dtype=torch.bool)
+    for start, tokens in case.chunks:
+        for t in range(start, start + tokens):
+            touched[dst_blocks[t // 16], t % 16] = True
+    assert torch.equal(kd[~touched], kg[~touched]) and torch.equal(vd[~touched], kg[~touched])
+    if preset == "raw":  # e4m3 -> bf16 -> e4m3 with the same scale gives the cache's bits back
+        ks, _ = layout.views(src.view(torch.uint8))
+        for start, tokens in case.chunks:
+            for t in range(start, start + tokens):
+                s_b, d_b = src_blocks[t // 16], dst_blocks[t // 16]
+                assert torch.equal(kd[d_b, t % 16], ks[s_b, t % 16])
+
+
+def test_fp8_caches_need_their_scales() -> None:
+    src = make_fp8_cache("LBNHC", 64, torch.uint8, seed=1)
+    layout = PagedKVLayout.from_cache(src)
+    codec = Codec("tq4", 64, 3)
+    staging = torch.zeros(1 << 16, dtype=torch.uint8)
+    item = [EncodeItem([0, 1], 0, 20, 0)]
+    for impl in ("reference", "triton"):
+        with pytest.raises(CacheLayoutError, match="needs the layer's K/V scales"):
+            encode_into(codec, 1, src, layout, item, staging, impl=impl)
+        with pytest.raises(CacheLayoutError, match="finite number > 0"):
+            encode_into(codec, 1, src, layout, item, staging, impl=impl, kv_scales=(0.5, 0.0))
+    bf16 = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, seed=1)
+    with pytest.raises(CacheLayoutError, match="only apply to fp8 caches"):
+        encode_into(codec, 1, bf16, PagedKVLayout.from_cache(bf16), item, staging, kv_scales=(1.0, 1.0))
