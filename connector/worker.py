@@ -192,6 +192,15 @@ class TurboWireWorker:
         if missing:
             raise GeometryError(f"vLLM registered no KV cache for layers {missing[:3]}")
         self.kv_caches = [kv_caches[layer.name] for layer in self.geometry.layers]
+        odd = sorted({str(t.dtype) for t in self.kv_caches} - {"torch.bfloat16", "torch.float16"})
+        if odd:
+            # the kernels code fp8 caches given the layers' scales (kv_scales); the connector does
+            # not read vLLM's per-layer k/v scales yet, so it refuses rather than guess them
+            raise GeometryError(
+                f"the TurboWire connector serves bf16/fp16 KV caches; this engine's are {odd[0]}. "
+                "Run vLLM with --kv-cache-dtype auto (fp8 caches are supported by "
+                "turbowire.kernels.encode_into/decode_into with kv_scales, not yet by the connector)"
+            )
         self.paged_layouts = [self._layout_of(t) for t in self.kv_caches]
         device = self.kv_caches[0].device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"

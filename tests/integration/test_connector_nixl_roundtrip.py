@@ -169,3 +169,22 @@ def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt):
         for obj in (d_worker, p_worker, d_sched, p_sched):
             obj.shutdown()
         wait_port_free("127.0.0.1", p_port)
+
+
+def test_fp8_caches_are_refused_at_registration():
+    """The connector does not read vLLM's per-layer fp8 scales yet: it says so when the caches are
+    registered instead of failing inside the forward pass."""
+    from turbowire.connector.geometry import GeometryError
+    from turbowire.connector.launch import free_port
+
+    port = free_port()
+    sched, worker = engine("tq4", port, "P-fp8")
+    caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.float8_e4m3fn)
+              for name in LAYERS}
+    try:
+        with pytest.raises(GeometryError, match="kv-cache-dtype auto"):
+            worker.register_kv_caches(caches)
+    finally:
+        for obj in (worker, sched):
+            obj.shutdown()
+        wait_port_free("127.0.0.1", port)
