@@ -95,7 +95,7 @@ def encode_into(
         return triton_dispatch.encode_into(
             codec, layer, kv_cache, layout, items, staging, kernel_config, kv_scales=scales
         )
-    if scales is None and _use_cpu(impl, codec, kv_cache, layout, staging):
+    if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, staging):
         from turbowire.kernels import cpu_dispatch
 
         return cpu_dispatch.encode_into(codec, layer, kv_cache, layout, items, staging)
@@ -134,7 +134,7 @@ def decode_into(
         triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
                                     kv_scales=scales)
         return
-    if scales is None and _use_cpu(impl, codec, kv_cache, layout, source):
+    if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, source):
         from turbowire.kernels import cpu_dispatch
 
         cpu_dispatch.decode_into(codec, layer, kv_cache, layout, items, source)

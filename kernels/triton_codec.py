@@ -18,6 +18,11 @@ fold of the chunk mean as a binary tree over aligned tiles, IEEE division and sq
 multiply-add is contracted. Decoding follows the reference's operation order as well, so decoded
 values are bit-identical too.
 
+Caches: bf16/fp16, or fp8 e4m3 (uint8 bits) with the layer's K/V scales carried in the item
+table: values enter as bf16(fp32(q) * scale) and leave as e4m3(x / scale) (``_src_vals``,
+``_fp8_cache_bits``; semantics in ``kernels/fp8_cache.py``). Pointer tensors are shaped for the
+installed Triton's layout choice (``_rows_first``).
+
 Checksums: each program adds the wsum32 contribution of every byte it writes (the checksum is
 linear, so the pieces can be summed in any order mod 2**32) into a per-chunk accumulator; the
 last program of a chunk (an acq_rel counter) writes the 48-byte header with both checksums.
