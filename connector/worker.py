@@ -192,15 +192,7 @@ class TurboWireWorker:
         if missing:
             raise GeometryError(f"vLLM registered no KV cache for layers {missing[:3]}")
         self.kv_caches = [kv_caches[layer.name] for layer in self.geometry.layers]
-        odd = sorted({str(t.dtype) for t in self.kv_caches} - {"torch.bfloat16", "torch.float16"})
-        if odd:
-            # the kernels code fp8 caches given the layers' scales (kv_scales); the connector does
-            # not read vLLM's per-layer k/v scales yet, so it refuses rather than guess them
-            raise GeometryError(
-                f"the TurboWire connector serves bf16/fp16 KV caches; this engine's are {odd[0]}. "
-                "Run vLLM with --kv-cache-dtype auto (fp8 caches are supported by "
-                "turbowire.kernels.encode_into/decode_into with kv_scales, not yet by the connector)"
-            )
+        self._check_cache_dtypes()
         self.paged_layouts = [self._layout_of(t) for t in self.kv_caches]
         device = self.kv_caches[0].device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
@@ -244,6 +236,46 @@ class TurboWireWorker:
             self.config.recv_bytes if self.is_consumer else 0,
             self.mem_type,
         )
+
+    def _check_cache_dtypes(self) -> None:
+        """bf16/fp16 caches anywhere; fp8 e4m3 caches in vLLM's GPU layout, with every layer's
+        scales readable from vLLM's attention layers (checked now, read again per call)."""
+        from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES
+
+        dtypes = {t.dtype for t in self.kv_caches}
+        odd = dtypes - {torch.bfloat16, torch.float16, *FP8_CACHE_DTYPES}
+        if odd or len(dtypes) > 1:
+            raise GeometryError(
+                f"the TurboWire connector serves bf16, fp16 or fp8 e4m3 KV caches of one dtype; "
+                f"this engine's are {sorted(map(str, dtypes))}"
+            )
+        if not dtypes & set(FP8_CACHE_DTYPES):
+            return
+        if any(t.dim() != 5 for t in self.kv_caches):
+            raise GeometryError(
+                "fp8 KV caches are served in vLLM's GPU cache layout (5-D); this engine's caches "
+                "are CPU attention caches: run vLLM with --kv-cache-dtype auto"
+            )
+        for layer in range(len(self.kv_caches)):
+            self._kv_scales(layer)
+
+    def _kv_scales(self, layer: int) -> tuple[float, float] | None:
+        """The layer's fp8 (K, V) scales as vLLM's attention layer holds them, read per call
+        (vLLM may compute them on the first forward pass); None for bf16/fp16 caches."""
+        from turbowire.kernels.fp8_cache import is_fp8_cache
+
+        if not is_fp8_cache(self.kv_caches[layer]):
+            return None
+        name = self.geometry.layers[layer].name
+        context = getattr(getattr(self.vllm_config, "compilation_config", None),
+                          "static_forward_context", None) or {}
+        attn = context.get(name)
+        if attn is None or not hasattr(attn, "_k_scale_float") or not hasattr(attn, "_v_scale_float"):
+            raise GeometryError(
+                f"fp8 KV cache of layer {name}: vLLM's attention layer with its k/v scales is not "
+                "in the static forward context"
+            )
+        return float(attn._k_scale_float), float(attn._v_scale_float)
 
     def _layout_of(self, cache: torch.Tensor) -> Any:
         """The cache's layout; on CPU with the token placement vLLM's attention really uses."""
@@ -343,7 +375,8 @@ class TurboWireWorker:
 
             written = encode_via_packed(self.codec, layer, cache, layout, items, self.staging)
         else:
-            written = encode_into(self.codec, layer, cache, layout, items, self.staging)
+            written = encode_into(self.codec, layer, cache, layout, items, self.staging,
+                                  kv_scales=self._kv_scales(layer))
         self._step_encode_seconds += time.perf_counter() - t0
         for n, limit, want in zip(written, limits, expected, strict=True):
             if n > limit:  # would have spilled into the next layer's chunk
@@ -630,7 +663,8 @@ class TurboWireWorker:
 
                 decode_via_packed(self.codec, layer, self.kv_caches[layer], layout, items, self.recv)
             else:
-                decode_into(self.codec, layer, self.kv_caches[layer], layout, items, self.recv)
+                decode_into(self.codec, layer, self.kv_caches[layer], layout, items, self.recv,
+                            kv_scales=self._kv_scales(layer))
         if self.recv.device.type == "cuda":
             torch.cuda.current_stream(self.recv.device).synchronize()
         return time.perf_counter() - t0

@@ -28,7 +28,11 @@ BS, HEADS, DIM, NUM_BLOCKS = 32, 2, 64, 48
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
 
-def engine(preset: str, port: int, engine_id: str, role: str = "kv_both", groups: int = 8):
+FP8_SCALES = (0.05, 0.08)
+
+
+def engine(preset: str, port: int, engine_id: str, role: str = "kv_both", groups: int = 8,
+           fp8_scales: tuple[float, float] | None = None):
     extra = {"preset": preset, "staging_bytes": "2MiB", "side_channel_port": port,
              "lease_seconds": 5, "decode_pipeline_groups": groups}
     ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role=role,
@@ -38,6 +42,10 @@ def engine(preset: str, port: int, engine_id: str, role: str = "kv_both", groups
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
         model_config=SimpleNamespace(model="/m/tiny", served_model_name="tiny"),
         speculative_config=None,
+        # vLLM's attention layers by name, as the worker reads an fp8 cache's k/v scales
+        compilation_config=SimpleNamespace(static_forward_context={
+            name: SimpleNamespace(_k_scale_float=fp8_scales[0], _v_scale_float=fp8_scales[1])
+            for name in LAYERS} if fp8_scales else {}),
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
     kcfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
@@ -68,22 +76,39 @@ def token_kv(worker, layer: int, cache: torch.Tensor, blocks: list[int], t: int)
     return torch.cat([k, v], dim=-1).float()
 
 
+def make_caches(fp8: bool, fill_random: bool) -> dict[str, torch.Tensor]:
+    """vLLM CPU attention caches (bf16), or fp8 e4m3 caches in vLLM's GPU layout
+    [2, blocks, block_size, heads, head_dim] (on the CPU here) holding values / scale."""
+    if not fp8:
+        if fill_random:
+            return {n: torch.randn(NUM_BLOCKS, HEADS, BS, 2 * DIM).to(torch.bfloat16) for n in LAYERS}
+        return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16) for n in LAYERS}
+    scale = torch.tensor(FP8_SCALES).reshape(2, 1, 1, 1, 1)
+    out = {}
+    for n in LAYERS:
+        x = torch.randn(2, NUM_BLOCKS, BS, HEADS, DIM) if fill_random else torch.zeros(2, NUM_BLOCKS, BS, HEADS, DIM)
+        out[n] = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return out
+
+
 @pytest.mark.parametrize(
-    "preset,local_hit_blocks,groups,corrupt",
-    [("raw", 0, 1, False), ("raw", 1, 8, False), ("tq4", 0, 8, False), ("tq4", 0, 2, False),
-     ("tq4", 0, 8, True)],
+    "preset,local_hit_blocks,groups,corrupt,fp8",
+    [("raw", 0, 1, False, False), ("raw", 1, 8, False, False), ("tq4", 0, 8, False, False),
+     ("tq4", 0, 2, False, False), ("tq4", 0, 8, True, False), ("raw", 0, 2, False, True),
+     ("tq4", 1, 8, False, True)],
 )
-def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt):
+def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, fp8):
     from turbowire.connector.launch import free_port
 
     n = 100  # 3 full blocks + 4 tokens
     p_port = free_port()
-    tag = f"{preset}-{local_hit_blocks}-{groups}-{corrupt}"
-    p_sched, p_worker = engine(preset, p_port, f"P-{tag}")
-    d_sched, d_worker = engine(preset, free_port(), f"D-{tag}", groups=groups)
+    tag = f"{preset}-{local_hit_blocks}-{groups}-{corrupt}-{fp8}"
+    scales = FP8_SCALES if fp8 else None
+    p_sched, p_worker = engine(preset, p_port, f"P-{tag}", fp8_scales=scales)
+    d_sched, d_worker = engine(preset, free_port(), f"D-{tag}", groups=groups, fp8_scales=scales)
     torch.manual_seed(0)
-    p_caches = {name: torch.randn(NUM_BLOCKS, HEADS, BS, 2 * DIM).to(torch.bfloat16) for name in LAYERS}
-    d_caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16) for name in LAYERS}
+    p_caches = make_caches(fp8, fill_random=True)
+    d_caches = make_caches(fp8, fill_random=False)
     try:
         p_worker.register_kv_caches(p_caches)
         d_worker.register_kv_caches(d_caches)
@@ -106,6 +131,12 @@ def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt):
         delay, params = p_sched.request_finished(preq, p_blocks)
         assert delay is False and params["remote_num_tokens"] == n
         assert p_sched.pool.snapshot().leases == 1
+        if fp8 and preset == "raw":  # the wire carries what the model sees: bf16(q * k_scale)
+            at = p_worker.layout.chunk_offset(params["remote_block_ids"][0], 0) + 48
+            body = p_worker.staging[at : at + BS * HEADS * DIM * 2].view(torch.bfloat16)
+            k0 = p_caches[LAYERS[0]][0][p_blocks[0]]  # [BS, HEADS, DIM] e4m3
+            want_k = (k0.float() * torch.tensor(FP8_SCALES[0])).to(torch.bfloat16)
+            assert torch.equal(body.reshape(BS, HEADS, DIM), want_k)
         if corrupt:  # flip a body byte of the last layer's chunk of the second block
             slot = params["remote_block_ids"][1]
             last = len(LAYERS) - 1
@@ -171,18 +202,29 @@ def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt):
         wait_port_free("127.0.0.1", p_port)
 
 
-def test_fp8_caches_are_refused_at_registration():
-    """The connector does not read vLLM's per-layer fp8 scales yet: it says so when the caches are
-    registered instead of failing inside the forward pass."""
+@pytest.mark.parametrize("case", ["cpu-attention-layout", "no-scales", "mixed-dtypes"])
+def test_unservable_caches_are_refused_at_registration(case):
+    """fp8 caches need vLLM's GPU layout and every layer's scales in the forward context; the
+    worker says so when the caches are registered instead of failing inside a forward pass."""
     from turbowire.connector.geometry import GeometryError
     from turbowire.connector.launch import free_port
 
     port = free_port()
-    sched, worker = engine("tq4", port, "P-fp8")
-    caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.float8_e4m3fn)
-              for name in LAYERS}
+    sched, worker = engine("tq4", port, f"P-refuse-{case}",
+                           fp8_scales=None if case == "no-scales" else FP8_SCALES)
+    if case == "cpu-attention-layout":
+        caches = {n: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.float8_e4m3fn)
+                  for n in LAYERS}
+        match = "GPU cache layout"
+    elif case == "no-scales":
+        caches = make_caches(True, fill_random=False)
+        match = "static forward context"
+    else:
+        caches = make_caches(True, fill_random=False)
+        caches[LAYERS[0]] = caches[LAYERS[0]].to(torch.bfloat16)
+        match = "of one dtype"
     try:
-        with pytest.raises(GeometryError, match="kv-cache-dtype auto"):
+        with pytest.raises(GeometryError, match=match):
             worker.register_kv_caches(caches)
     finally:
         for obj in (worker, sched):
