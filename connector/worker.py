@@ -238,25 +238,25 @@ class TurboWireWorker:
         )
 
     def _check_cache_dtypes(self) -> None:
-        """bf16/fp16 caches anywhere; fp8 e4m3 caches in vLLM's GPU layout, with every layer's
-        scales readable from vLLM's attention layers (checked now, read again per call)."""
-        from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES
+        """bf16/fp16 caches anywhere; fp8 e4m3 caches in vLLM's GPU layout, with the layer's
+        scales readable from vLLM's attention layer (checked now, read again per call). Layers
+        are coded one by one, so a draft model's cache may have another dtype."""
+        from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES, is_fp8_cache
 
-        dtypes = {t.dtype for t in self.kv_caches}
-        odd = dtypes - {torch.bfloat16, torch.float16, *FP8_CACHE_DTYPES}
-        if odd or len(dtypes) > 1:
+        odd = {t.dtype for t in self.kv_caches} - {torch.bfloat16, torch.float16, *FP8_CACHE_DTYPES}
+        if odd:
             raise GeometryError(
-                f"the TurboWire connector serves bf16, fp16 or fp8 e4m3 KV caches of one dtype; "
-                f"this engine's are {sorted(map(str, dtypes))}"
+                f"the TurboWire connector serves bf16, fp16 or fp8 e4m3 KV caches, not "
+                f"{sorted(map(str, odd))}"
             )
-        if not dtypes & set(FP8_CACHE_DTYPES):
-            return
-        if any(t.dim() != 5 for t in self.kv_caches):
-            raise GeometryError(
-                "fp8 KV caches are served in vLLM's GPU cache layout (5-D); this engine's caches "
-                "are CPU attention caches: run vLLM with --kv-cache-dtype auto"
-            )
-        for layer in range(len(self.kv_caches)):
+        for layer, cache in enumerate(self.kv_caches):
+            if not is_fp8_cache(cache):
+                continue
+            if cache.dim() != 5:
+                raise GeometryError(
+                    "fp8 KV caches are served in vLLM's GPU cache layout (5-D); this engine's are "
+                    "CPU attention caches: run vLLM with --kv-cache-dtype auto"
+                )
             self._kv_scales(layer)
 
     def _kv_scales(self, layer: int) -> tuple[float, float] | None:
