@@ -3,8 +3,8 @@
 vLLM's ``--kv-cache-dtype fp8`` stores K and V as float8 e4m3 (``torch.float8_e4m3fn``, or
 ``torch.uint8`` holding the same bits) with one scale per layer for K and one for V: the model
 sees ``fp32(q) * scale``. turbowire codes what the model sees, as bfloat16 chunks (the wire
-format's source dtypes are bf16/fp16), and writes decoded values back the way vLLM's cache writer
-does (``x / scale``, rounded to e4m3 with saturation):
+format's source dtypes are bf16/fp16), and writes decoded values back with the formula of vLLM's
+cache writer (``x / scale``, rounded to e4m3 with saturation; here the division is IEEE-rounded):
 
 - encode: ``x = bf16(fp32(e4m3(q)) * scale)``, rounded to nearest even;
 - decode: ``q = e4m3(clamp(fp32(x_src) / scale, -448, 448))``, where ``x_src`` is the decoded

@@ -453,13 +453,7 @@ def _src_vals(x, scale, MANUAL: tl.constexpr):
     layer's scale) becomes bf16(fp32(q) * scale), rounded to nearest even
     (kernels/fp8_cache.py); bf16/fp16 caches are their own source values."""
     if x.dtype == tl.uint8:
-        xf = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-        if MANUAL:
-            bits = xf.to(tl.int32, bitcast=True)
-            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            return xf.to(tl.bfloat16)
+        return _cvt(x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, tl.bfloat16, MANUAL)
     else:
         return x
 
