@@ -280,15 +280,17 @@ def check_cases(presets: list[str]) -> list[CheckCase]:
 
 HD256 = dict(layers=8, heads=4, dim=256)  # the head_dim 256 comparison below
 SWEEP_GEOMS = {**MODELS, "hd256 x4 heads": HD256}
-# launch shapes tried (tq4 and tq3, LBNHC): (geometry, KernelConfig fields); {} = the default
+# launch shapes and quantizers tried (tq4 and tq3, LBNHC): (geometry, KernelConfig fields);
+# {} = the default (qmode 2, the bucketed table); qmode 1 = the select tree it replaced
 SWEEP: list[tuple[str, dict[str, Any]]] = [
     ("Llama-3.1-8B", dict()),
+    ("Llama-3.1-8B", dict(qmode=1)),
     ("Llama-3.1-8B", dict(max_registers=128)),  # 4 encoder programs per SM instead of 3
-    ("Llama-3.1-8B", dict(max_registers=80)),  # decoder: 6 programs per SM instead of 5
-    ("Llama-3.1-8B", dict(max_registers=64)),
+    ("Llama-3.1-8B", dict(max_registers=96)),
     ("SmolLM2-135M", dict()),
-    ("SmolLM2-135M", dict(max_registers=96)),
+    ("SmolLM2-135M", dict(qmode=1)),
     ("hd256 x4 heads", dict()),
+    ("hd256 x4 heads", dict(qmode=1)),
 ]
 
 

@@ -114,6 +114,12 @@ def table_offset(head_dim: int, bits: int) -> int:
     return 2 * head_dim + 3 * ((1 << bits) - 2)
 
 
+def lut_base(head_dim: int) -> int:
+    """Start of the bucketed quantizer tables (kernels/quant_lut.py) in the table, in words:
+    after the codebooks of bits 1..6, 32-byte aligned (the kernel computes the same from D)."""
+    return (table_offset(head_dim, 7) + 7) // 8 * 8
+
+
 # ------------------------------------------------------------------------------------------
 # small helpers
 # ------------------------------------------------------------------------------------------
@@ -278,6 +284,23 @@ def _gather_rows(tab_ptr, idx, L: tl.constexpr, BT: tl.constexpr, C: tl.constexp
 
 
 @triton.jit
+def _gather_quads(tab_ptr, idx, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
+    """tab[idx + 0..3] for idx [L, BT, C] (a multiple of 4): one 16-byte load per value, the
+    four words split back into [L, BT, C] tensors in the row layout (pointer order as in
+    _gather_rows, the four words innermost)."""
+    q = tl.arange(0, 4)
+    if ROWS_FIRST:
+        x = tl.load(tab_ptr + (idx[:, :, :, None] + q[None, None, None, :]))
+    else:
+        it = tl.permute(idx, (2, 1, 0))
+        x = tl.permute(tl.load(tab_ptr + (it[:, :, :, None] + q[None, None, None, :])), (2, 1, 0, 3))
+    e02, e13 = tl.split(tl.reshape(x, [L, BT, C, 2, 2]))
+    w0, w2 = tl.split(e02)
+    w1, w3 = tl.split(e13)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def _gload_rows(ptrs, mask, L: tl.constexpr, BT: tl.constexpr, C: tl.constexpr):
     """Masked gather of pointers [L, BT, C] in the row layout (see _gather_rows)."""
     if ROWS_FIRST:
@@ -422,6 +445,24 @@ def _quantize(v, tab_ptr, BND: tl.constexpr, B: tl.constexpr, QMODE: tl.constexp
             p4 = a > _mux_thr(tp, 0, 0, 4, 1 << (NB - 5), NB, p0, p1, p2, p3, p4)
             n += tl.where(p4, 1 << (NB - 5), 0)
         return (n + H) ^ tl.where(pos, 0, 2 * H - 1)
+
+
+@triton.jit
+def _quantize_lut(v, tab_ptr, B: tl.constexpr, D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
+                  C: tl.constexpr):
+    """(code, fp32 squared level) of v through the bucketed table of kernels/quant_lut.py: the
+    top bits of v's bit pattern pick a cell, the cell's single change point t decides between
+    its two codes. Bit-identical to #{k : v > boundary_k} for every float (NaN: 0)."""
+    QB: tl.constexpr = (2 * D + 3 * 126 + 7) // 8 * 8  # lut_base(D)
+    QS: tl.constexpr = 24 - B  # quant_lut.lut_shift
+    QOFF: tl.constexpr = QB + 4096 * ((1 << (B - 1)) - 1) + 8 * (1 << (31 - QS))
+    bits = v.to(tl.int32, bitcast=True)
+    idx = (bits >> QS) * 8 + QOFF
+    tp = tab_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    t, lo, hi, c2lo = _gather_quads(tp, idx, L, BT, C)
+    c2hi = _gather_rows(tp + 4, idx, L, BT, C)
+    p = bits > t
+    return tl.where(p, hi, lo), tl.where(p, c2hi, c2lo).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -576,10 +617,19 @@ def _tile_rows(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk,
 @triton.jit
 def _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, stride_tok,
                  stride_head, block_size):
-    """Element offsets of rows t (chunk-relative tokens) of head h, through the block table."""
+    """Element offsets of rows t (chunk-relative tokens) of head h, through the block table.
+    block_size < 0 stands for a power-of-two block size 2**-block_size (``_block_size_arg``):
+    a shift and a mask instead of an integer division (~20 instructions per row)."""
     p = start + t
-    blk = tl.load(blocks_ptr + blk0 + p // block_size, mask=valid, other=0).to(tl.int64)
-    off = layer_off + blk * stride_blk + (p % block_size).to(tl.int64) * stride_tok + h * stride_head
+    if block_size < 0:
+        sh = -block_size
+        bi = p >> sh
+        slot = p & ((1 << sh) - 1)
+    else:
+        bi = p // block_size
+        slot = p % block_size
+    blk = tl.load(blocks_ptr + blk0 + bi, mask=valid, other=0).to(tl.int64)
+    off = layer_off + blk * stride_blk + slot.to(tl.int64) * stride_tok + h * stride_head
     return tl.multiple_of(off, 8)
 
 
@@ -950,8 +1000,15 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
         inv = tl.where(norm > 0, tl.div_rn(tl.full([BT], 1.0, tl.float32), norm), 0.0)
         v = u * inv[None, :, None]
         LO: tl.constexpr = 2 * D + 3 * ((1 << BITS) - 2)
-        code = _quantize(v, tab_ptr, LO, BITS, QMODE, L, BT, C)
-        if NHI > 0:
+        if QMODE == 2:
+            code, sq = _quantize_lut(v, tab_ptr, BITS, D, L, BT, C)
+            if NHI > 0:
+                code_hi, sq_hi = _quantize_lut(v, tab_ptr, BITS + 1, D, L, BT, C)
+                ishi = dcol < NHI
+                code = tl.where(ishi, code_hi, code)
+                sq = tl.where(ishi, sq_hi, sq)
+        elif NHI > 0:
+            code = _quantize(v, tab_ptr, LO, BITS, QMODE, L, BT, C)
             HI: tl.constexpr = 2 * D + 3 * ((1 << (BITS + 1)) - 2)
             code_hi = _quantize(v, tab_ptr, HI, BITS + 1, QMODE, L, BT, C)
             ishi = dcol < NHI
@@ -959,6 +1016,7 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
             sq = tl.where(ishi, _gather_rows(tab_ptr + (HI + 2 * (1 << (BITS + 1))), code, L, BT, C),
                           _gather_rows(tab_ptr + (LO + 2 * (1 << BITS)), code, L, BT, C))
         else:
+            code = _quantize(v, tab_ptr, LO, BITS, QMODE, L, BT, C)
             sq = _gather_rows(tab_ptr + (LO + 2 * (1 << BITS)), code, L, BT, C)
         cn = tl.sqrt_rn(_row_norm2(sq, L, BT, C, LOGC))
         scale = tl.minimum(tl.div_rn(norm, SQRT_D * cn), 65504.0).to(tl.float16)
@@ -1260,16 +1318,16 @@ def _cvt(x, DT: tl.constexpr, MANUAL: tl.constexpr):
 
 
 @triton.jit
-def _to_cache(xf, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, sc):
+def _to_cache(xf, SRC_FP16: tl.constexpr, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, sc):
     """Round fp32 to the chunk's source dtype (as the reference does), then to the cache's
     (uint8: an fp8 e4m3 cache with scale sc, see _fp8_cache_bits)."""
     if OUT_DTYPE == tl.uint8:
-        if src_fp16:
+        if SRC_FP16:
             xs = _cvt(xf, tl.float16, MANUAL).to(tl.float32)
         else:
             xs = _cvt(xf, tl.bfloat16, MANUAL).to(tl.float32)
         y = _fp8_cache_bits(xs, sc, MANUAL)
-    elif src_fp16:
+    elif SRC_FP16:
         if OUT_DTYPE == tl.float16:
             y = _cvt(xf, tl.float16, MANUAL)
         else:
@@ -1283,15 +1341,15 @@ def _to_cache(xf, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, sc):
 
 
 @triton.jit
-def _from_bits(bits16, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, sc):
+def _from_bits(bits16, SRC_FP16: tl.constexpr, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, sc):
     """Source-dtype values given as int16 bits -> the cache's dtype."""
     if OUT_DTYPE == tl.uint8:
-        if src_fp16:
+        if SRC_FP16:
             xs = bits16.to(tl.float16, bitcast=True).to(tl.float32)
         else:
             xs = bits16.to(tl.bfloat16, bitcast=True).to(tl.float32)
         y = _fp8_cache_bits(xs, sc, MANUAL)
-    elif src_fp16:
+    elif SRC_FP16:
         if OUT_DTYPE == tl.float16:
             y = bits16.to(tl.float16, bitcast=True)
         else:
@@ -1306,7 +1364,7 @@ def _from_bits(bits16, src_fp16, OUT_DTYPE: tl.constexpr, MANUAL: tl.constexpr, 
 
 @triton.jit
 def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
-                s_off, src_fp16, stride_blk, stride_tok, stride_head, block_size,
+                s_off, SRC_FP16: tl.constexpr, stride_blk, stride_tok, stride_head, block_size,
                 D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, KIND: tl.constexpr,
                 BITS: tl.constexpr, CENTER: tl.constexpr, SINK: tl.constexpr, NHI: tl.constexpr,
                 WORDS: tl.constexpr, MANUAL: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr,
@@ -1336,14 +1394,14 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
         if KIND == 0:
             rb = s_off + ri * (D * 2)
             bits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), rb // 2, valid, L, BT, C)
-            y = _from_bits(bits, src_fp16, OUT_DTYPE, MANUAL, sc)
+            y = _from_bits(bits, SRC_FP16, OUT_DTYPE, MANUAL, sc)
         elif KIND == 1:
             sp = (src_ptr + body0 + s_off).to(tl.pointer_type(tl.float16))
             s32 = tl.load(sp + ri, mask=valid, other=0.0).to(tl.float32)
             cb = s_off + _align16(T * H * 2) + ri * D
             q = _load_rows(src_ptr + body0, cb, valid, L, BT, C)
             xf = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s32[None, :, None]
-            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL, sc)
+            y = _to_cache(xf, SRC_FP16, OUT_DTYPE, MANUAL, sc)
         else:
             cb = codes_off + ri * R
             if NHI > 0:
@@ -1364,13 +1422,13 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
             xf = xf * s32[None, :, None]
             if CENTER:
                 xf = xf + _load_rows(mp, zrow, valid, L, BT, C).to(tl.float32)
-            y = _to_cache(xf, src_fp16, OUT_DTYPE, MANUAL, sc)
+            y = _to_cache(xf, SRC_FP16, OUT_DTYPE, MANUAL, sc)
             if SINK > 0:
                 if t0 < S:
                     sv = valid & (t < S)
                     sb = sink_off + ri * (D * 2)
                     sbits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), sb // 2, sv, L, BT, C)
-                    y = tl.where(sv[None, :, None], _from_bits(sbits, src_fp16, OUT_DTYPE, MANUAL, sc), y)
+                    y = tl.where(sv[None, :, None], _from_bits(sbits, SRC_FP16, OUT_DTYPE, MANUAL, sc), y)
         _store_rows(kv_ptr, row, valid, y, L, BT, C)
 
 
@@ -1397,17 +1455,34 @@ def decode_kernel(
         in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
         blk0 = tl.load(ip + D_BLK)
         body0 = in_off + 48
+        # the chunk's source dtype (verified: 1 bf16, 2 fp16) selects a specialised copy of the
+        # tile loop: a runtime test inside it cost ~3 instructions per value (both roundings
+        # computed, then selected)
         src_fp16 = tl.load(src_ptr + in_off + 16) == 2
         if s == 0:
             layer_off = tl.multiple_of(tl.load(ip + D_KOFF), 16)
-            _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
-                        0, src_fp16, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
-                        K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M, S2M,
-                        _scale_at(ip, D_KSCALE))
+            sc = _scale_at(ip, D_KSCALE)
+            if src_fp16:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
+                            body0, 0, True, stride_blk, stride_tok, stride_head, block_size, D,
+                            L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M,
+                            S2M, sc)
+            else:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
+                            body0, 0, False, stride_blk, stride_tok, stride_head, block_size, D,
+                            L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M,
+                            S2M, sc)
         else:
             layer_off = tl.multiple_of(tl.load(ip + D_VOFF), 16)
             s_off = tl.multiple_of(tl.load(ip + D_KBYTES), 16)
-            _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H, body0,
-                        s_off, src_fp16, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
-                        V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M, S2M,
-                        _scale_at(ip, D_VSCALE))
+            sc = _scale_at(ip, D_VSCALE)
+            if src_fp16:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
+                            body0, s_off, True, stride_blk, stride_tok, stride_head, block_size, D,
+                            L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M,
+                            S2M, sc)
+            else:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
+                            body0, s_off, False, stride_blk, stride_tok, stride_head, block_size, D,
+                            L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M,
+                            S2M, sc)

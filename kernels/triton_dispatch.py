@@ -28,6 +28,7 @@ from turbowire.codec.rotation import sign_tables
 from turbowire.codec.wire import HEADER_BYTES
 from turbowire.kernels.fp8_cache import KVScales, is_fp8_cache
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
+from turbowire.kernels.quant_lut import lut_tables
 
 if TYPE_CHECKING:
     from turbowire.kernels.dispatch import DecodeItem, EncodeItem
@@ -46,15 +47,16 @@ class StagingAlignmentError(ValueError):
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch shape of the kernels. ``lanes`` / ``decode_lanes``: threads sharing one head vector
-    (None: ``lanes_for``'s default); ``qmode``: 0 gathers quantizer thresholds from a table, 1 picks
-    them with a select tree; ``tile_rows`` overrides the rows per tile (tests use small tiles to
+    (None: ``lanes_for``'s default); ``qmode``: how the encoder finds a Lloyd-Max code: 0 binary
+    search with gathered thresholds, 1 a select tree over the thresholds, 2 one gather from the
+    bucketed table of kernels/quant_lut.py (code and squared level together); ``tile_rows`` overrides the rows per tile (tests use small tiles to
     reach the multi-tile paths with few tokens); ``max_registers`` caps the registers per thread
     (ptxas ``.maxnreg``; None: the compiler's choice)."""
 
     num_warps: int = 4
     lanes: int | None = None
     decode_lanes: int | None = None
-    qmode: int = 1
+    qmode: int = 2
     tile_rows: int | None = None
     verify_words: int = 4096
     max_registers: int | None = None
@@ -65,8 +67,8 @@ class KernelConfig:
         for lanes in (self.lanes, self.decode_lanes):
             if lanes is not None and lanes not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"lanes must be a power of two up to 32, got {lanes}")
-        if self.qmode not in (0, 1):
-            raise ValueError("qmode is 0 (gather) or 1 (select tree)")
+        if self.qmode not in (0, 1, 2):
+            raise ValueError("qmode is 0 (gathered thresholds), 1 (select tree) or 2 (bucketed table)")
         if self.tile_rows is not None and (self.tile_rows < 1 or self.tile_rows & (self.tile_rows - 1)):
             raise ValueError("tile_rows must be a power of two")
         if self.verify_words < 16 or self.verify_words & (self.verify_words - 1):
@@ -182,8 +184,9 @@ def _stream_consts(spec: StreamSpec, dim: int) -> _StreamConsts:
 @functools.lru_cache(maxsize=None)
 def _tables_cpu(dim: int) -> torch.Tensor:
     """fp32 table: s1, s2 (dim each), then per bit width b = 1..6 at table_offset(dim, b):
-    2**b thresholds (last one +inf), 2**b levels, 2**b squared levels (fp32(c * c))."""
-    from turbowire.kernels.triton_codec import table_offset
+    2**b thresholds (last one +inf), 2**b levels, 2**b squared levels (fp32(c * c)); then, at
+    lut_base(dim), the bucketed quantizer tables of kernels/quant_lut.py (int32 words)."""
+    from turbowire.kernels.triton_codec import lut_base, table_offset
 
     s1, s2 = sign_tables(dim)
     size = table_offset(dim, max(GAUSSIAN_LLOYD_MAX) + 1)
@@ -198,7 +201,8 @@ def _tables_cpu(dim: int) -> torch.Tensor:
         c = centroids(b)
         tab[o + n : o + 2 * n] = c
         tab[o + 2 * n : o + 3 * n] = c * c
-    return tab
+    pad = torch.zeros(lut_base(dim) - size, dtype=torch.float32)
+    return torch.cat([tab, pad, lut_tables().view(torch.float32)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,6 +211,14 @@ def _sign_mask(dim: int, which: int) -> int:
     take it as a compile-time constant, so signs cost no registers)."""
     s = sign_tables(dim)[which]
     return sum(1 << d for d in range(dim) if float(s[d]) < 0)
+
+
+def _block_size_arg(block_size: int) -> int:
+    """The kernels' block_size argument: -log2(block_size) for a power of two (the kernels
+    shift and mask), else the block size itself (integer division)."""
+    if block_size > 1 and block_size & (block_size - 1) == 0:
+        return -(block_size.bit_length() - 1)
+    return block_size
 
 
 _TABLE_CACHE: dict[tuple[int, str], torch.Tensor] = {}
@@ -502,7 +514,8 @@ class EncodePlan:
                       **_stream_consts(vspec, dim).prefixed("V")}
             args = (_kernel_cache(base), staging, table, blocks, tab, acc, strides[0], strides[1],
                     strides[2],
-                    lay0.block_size, lay0.num_heads, codec.preset.preset_id, codec.num_layers,
+                    _block_size_arg(lay0.block_size), lay0.num_heads, codec.preset.preset_id,
+                    codec.num_layers,
                     dtype_code)
             kwargs = dict(
                 D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
@@ -619,7 +632,7 @@ class DecodePlan:
                 tk.decode_kernel, (n * 2 * lay0.num_heads,),
                 (_kernel_cache(base), source, table, blocks, tab, self.fails, strides[0], strides[1],
                  strides[2],
-                 lay0.block_size, lay0.num_heads),
+                 _block_size_arg(lay0.block_size), lay0.num_heads),
                 dict(D=dim, L=lanes, BT=bt, **consts, MANUAL=interpreting(),
                      S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), **cfg.launch_options(),
                      enable_fp_fusion=False),

@@ -101,7 +101,8 @@ CASES = {
     # one 16-byte piece per lane (head_dim/8 lanes): 4 butterfly stages across lanes, 2- and 1-bit
     # planes narrower than a word per lane (byte stores), rows loaded as [rows, head_dim]
     "tq3-d128-lanes16": Case("tq3", 128, "LBHNC", 16, torch.bfloat16, ((3, 21),),
-                             KernelConfig(num_warps=1, tile_rows=4, lanes=16, decode_lanes=16),
+                             KernelConfig(num_warps=1, tile_rows=4, lanes=16, decode_lanes=16,
+                                          qmode=1),
                              heads=1),
     # a whole row per thread
     "tq3-d64-lanes1": Case("tq3", 64, "LBHNC", 16, torch.bfloat16, ((0, 21),),
@@ -109,7 +110,11 @@ CASES = {
     # a whole row per thread (the lloyd default): in-register butterfly, carried-threshold
     # quantizer for 1-4 bits, the select tree above, row-major gathers, word and byte planes
     "tq4-d128-lanes1": Case("tq4", 128, "LBNHC", 16, torch.bfloat16, ((0, 40), (40, 9)),
-                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1)),
+                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1, qmode=1)),
+    # a block size that is no power of two (rows found by division, not shift and mask) and the
+    # select-tree quantizer (qmode 1) over 4 lanes
+    "tq4-d128-bs24-select-tree": Case("tq4", 128, "LBNHC", 24, torch.bfloat16, ((0, 40), (40, 9)),
+                                      KernelConfig(num_warps=1, tile_rows=16, qmode=1), heads=1),
     "k8v4-d256-lanes1-fp16": Case("k8v4", 256, "LBHNC", 32, torch.float16, ((0, 19),),
                                   KernelConfig(num_warps=1, tile_rows=8, lanes=1, decode_lanes=1),
                                   heads=1),
@@ -195,6 +200,28 @@ def test_bytes_and_values_match_the_reference(name: str) -> None:
             touched[dst_blocks[t // case.block_size], t % case.block_size] = True
     assert bool((kd[~touched] == GUARD).all()) and bool((vd[~touched] == GUARD).all())
     assert not bool((kd[touched] == GUARD).all())
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float16)])
+def test_chunks_decode_into_a_cache_of_the_other_dtype(src_dtype, dst_dtype) -> None:
+    """The decoder picks its tile loop by the chunk's source dtype (a header field): an fp16
+    chunk into a bf16 cache rounds through fp16 first, as the reference does."""
+    case = Case("tq4", 64, "LBNHC", 16, src_dtype, ((0, 21),), SMALL, heads=1)
+    src = make_cache(case.kind, 16, 1, 64, src_dtype, seed=4)
+    layout = PagedKVLayout.from_cache(src)
+    codec = Codec("tq4", 64, 3)
+    src_blocks, dst_blocks = [7, 2, 9], [1, 8, 3]
+    enc_items, _ = _items(case, src_blocks, dst_blocks)
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    written = encode_into(codec, 1, src, layout, enc_items, buf, impl="triton", kernel_config=SMALL)
+    _, dec_items = _items(case, src_blocks, dst_blocks, written)
+    dst_ref = make_cache(case.kind, 16, 1, 64, dst_dtype, 0, fill=GUARD)
+    dst_tri = make_cache(case.kind, 16, 1, 64, dst_dtype, 0, fill=GUARD)
+    decode_into(codec, 1, dst_ref, layout, dec_items, buf, impl="reference")
+    decode_into(codec, 1, dst_tri, layout, dec_items, buf, impl="triton", kernel_config=SMALL)
+    assert torch.equal(dst_tri, dst_ref)
+    assert not torch.equal(dst_tri, make_cache(case.kind, 16, 1, 64, dst_dtype, 0, fill=GUARD))
 
 
 # the pointer shapes of the other Triton generation (3.6 vs 3.8+, kernels._rows_first): the same
