@@ -285,8 +285,7 @@ SWEEP_GEOMS = {**MODELS, "hd256 x4 heads": HD256}
 SWEEP: list[tuple[str, dict[str, Any]]] = [
     ("Llama-3.1-8B", dict()),
     ("Llama-3.1-8B", dict(qmode=1)),
-    ("Llama-3.1-8B", dict(max_registers=128)),  # 4 encoder programs per SM instead of 3
-    ("Llama-3.1-8B", dict(max_registers=96)),
+    ("Llama-3.1-8B", dict(num_warps=8)),
     ("SmolLM2-135M", dict()),
     ("SmolLM2-135M", dict(qmode=1)),
     ("hd256 x4 heads", dict()),

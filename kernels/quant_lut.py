@@ -1,18 +1,22 @@
 """Bucketed lookup table for the Lloyd-Max quantizer (the Triton encoder's ``qmode=2``).
 
-The codec's rule is ``code = #{k : v > boundary_k}`` (codec/codebooks.py). A binary search over
-the boundaries costs the kernel ~18 instructions per coordinate (comparisons, select trees,
-predicate moves) plus a gather of the squared level for the centroid norm. Here one gather of a
-table entry does both: the top ``32 - shift`` bits of the float's bit pattern (sign, exponent,
-``bits - 1`` mantissa bits) pick a cell, and cells are narrow enough that the code changes at
-most once inside one. Inside a cell the value is monotone in the bit pattern (increasing for
-positive floats, decreasing for negative ones), so an entry holds the one change point ``t``
-and the codes and squared levels on either side: ``code = bits > t ? hi : lo`` and
-``sq = bits > t ? c2hi : c2lo`` (int32 comparison of the raw bits). That is bit-identical to the
-rule for every float, ties, signed zeros, infinities and NaN (code 0, as the reference's
-comparisons give) included, and the table covers every bit pattern, so nothing is clamped.
+The codec's rule is ``code = #{k : v > boundary_k}`` (codec/codebooks.py) over symmetric
+boundaries whose middle one is 0. As in the select-tree quantizer, the kernel folds the sign:
+``a = |v|`` as integer bits, one ulp up where ``v <= 0`` (so ``>=`` becomes ``>``), then
+``n = #{j : a > P_j}`` over the positive boundaries and ``code = (n + H) ^ (v <= 0 ? 2H - 1 : 0)``.
+Here ``n`` comes from one 16-byte gather instead of a select tree: ``a >> shift`` (exponent and
+``bits - 1`` mantissa bits) picks a cell, clamped to the last one, and cells are narrow enough
+that ``n`` changes at most once inside one. An entry holds that change point ``t``, ``n`` below
+it and the squared levels on either side, so ``n = n_lo + (a > t)`` and ``sq = a > t ? c2hi :
+c2lo`` (the centroid-norm fold's input, the same for both signs). Bit-identical to the rule for
+every float, ties, signed zeros, infinities and every NaN (code 0) included.
 
-Entry layout (8 int32 words, 32 bytes): ``t, lo, hi, c2lo, c2hi, 0, 0, 0`` (c2 as fp32 bits).
+The table is small on purpose: a warp's gather touches only the cache lines of the cells its 32
+values fall in. A first version indexed all 2**32 bit patterns with 32-byte entries; it cut the
+encoder's instructions by a quarter but its gathers touched ~15 L1 lines per warp and the kernel
+got slower (bench/RESULTS.md).
+
+Entry layout (4 int32 words, 16 bytes): ``t, n_lo, c2lo, c2hi`` (c2 as fp32 bits).
 """
 
 from __future__ import annotations
@@ -24,63 +28,53 @@ import torch
 
 from turbowire.codec.codebooks import GAUSSIAN_LLOYD_MAX, boundaries, centroids
 
-ENTRY_WORDS = 8
-_POS_INF_BITS = 0x7F800000
+ENTRY_WORDS = 4
+CELL_TOP = 130  # cells cover |v| < 2**(CELL_TOP - 127) = 8 (every boundary is below 4)
 
 
 def lut_shift(bits: int) -> int:
-    """Right shift of the bit pattern that gives a cell (2**(bits-1) cells per octave)."""
+    """Right shift of |v|'s bits that gives a cell (2**(bits-1) cells per octave)."""
     return 24 - bits
 
 
-def lut_words(bits: int) -> int:
-    """Table size in int32 words for one bit width."""
-    return ENTRY_WORDS << (32 - lut_shift(bits))
+def lut_cells(bits: int) -> int:
+    """Cells of the ``bits`` table; the last one takes every larger pattern (inf, NaN)."""
+    return CELL_TOP << (bits - 1)
 
 
 def lut_offset(bits: int) -> int:
     """Word offset of the ``bits`` table inside the concatenation for bits 1, 2, ... (closed
-    form so the kernel computes it from a compile-time BITS: sum of 8 * 2**(8 + b), b < bits)."""
-    return 4096 * ((1 << (bits - 1)) - 1)
-
-
-def _codes(bits_i64: np.ndarray, bits: int) -> np.ndarray:
-    """The codec's rule #{k : v > boundary_k} for int32 bit patterns given as int64."""
-    v = torch.from_numpy(bits_i64.astype(np.int32).view(np.float32).copy())
-    return (v[:, None] > boundaries(bits)[None, :]).sum(-1).numpy().astype(np.int64)
+    form so the kernel computes it from a compile-time BITS)."""
+    return ENTRY_WORDS * CELL_TOP * ((1 << (bits - 1)) - 1)
 
 
 @functools.lru_cache(maxsize=None)
 def lut_table(bits: int) -> torch.Tensor:
-    """The ``bits`` table as int32 [cells * 8]; raises if a cell would hold two code changes."""
+    """The ``bits`` table as int32 [cells * 4]; raises if a cell would hold two changes of n."""
     shift = lut_shift(bits)
-    ncell = 1 << (32 - shift)
-    half = 1 << (31 - shift)
-    bnd = np.ascontiguousarray(boundaries(bits).numpy()).view(np.int32).astype(np.int64)
-    c = centroids(bits)
-    c2 = (c * c).numpy().view(np.int32).astype(np.int64)
-    lo_b = (np.arange(ncell, dtype=np.int64) - half) << shift  # first bit pattern of each cell
-    hi_b = lo_b + (1 << shift) - 1
-    # change points, as the last pattern before the change: a positive boundary with bits K
-    # (v > B from K + 1 on), a negative one with bits K (v > B up to K - 1), +inf -> NaN
-    t_pts = np.concatenate([bnd[bnd >= 0], bnd[bnd < 0] - 1, [_POS_INF_BITS]])
-    t_pts.sort()
-    first = np.searchsorted(t_pts, lo_b, side="left")
-    count = np.searchsorted(t_pts, hi_b, side="left") - first  # points in [lo, hi - 1]
-    if int(count.max()) > 1:
-        raise AssertionError(f"{bits}-bit quantizer table: a cell holds two code changes")
-    t = np.full(ncell, 0x7FFFFFFF, dtype=np.int64)  # no change: bits > t never holds
+    ncell = lut_cells(bits)
+    half = 1 << (bits - 1)
+    b = boundaries(bits)
+    pos = np.ascontiguousarray(b[b > 0].numpy()).view(np.int32).astype(np.int64)  # ascending
+    levels = centroids(bits)[half:]
+    c2 = (levels * levels).numpy().view(np.int32).astype(np.int64)
+    lo = np.arange(ncell, dtype=np.int64) << shift
+    hi = lo + (1 << shift) - 1
+    hi[-1] = (1 << 32) - 1
+    if len(pos) and int(pos[-1]) >= int(lo[-1]):
+        raise AssertionError(f"{bits}-bit quantizer table: a boundary above the last cell")
+    # n changes at a = P + 1 for each positive boundary pattern P in [lo, hi - 1]
+    first = np.searchsorted(pos, lo, side="left")
+    count = np.searchsorted(pos, hi, side="left") - first
+    if int(count.max(initial=0)) > 1:
+        raise AssertionError(f"{bits}-bit quantizer table: a cell holds two changes")
+    t = np.full(ncell, 0xFFFFFFFF, dtype=np.int64)  # no change: a > t never holds
     has = count > 0
-    t[has] = t_pts[first[has]]
-    lo = _codes(lo_b, bits)
-    hi = _codes(hi_b, bits)
-    out = np.zeros((ncell, ENTRY_WORDS), dtype=np.int64)
-    out[:, 0] = t
-    out[:, 1] = lo
-    out[:, 2] = hi
-    out[:, 3] = c2[lo]
-    out[:, 4] = c2[hi]
-    return torch.from_numpy(out.astype(np.int32).reshape(-1))
+    t[has] = pos[first[has]]
+    n_lo = first  # boundaries strictly below the cell's first pattern
+    n_hi = np.minimum(n_lo + 1, half - 1)
+    out = np.stack([t, n_lo, c2[n_lo], c2[n_hi]], axis=1)
+    return torch.from_numpy(out.astype(np.uint32).view(np.int32).reshape(-1).copy())
 
 
 def lut_tables() -> torch.Tensor:
@@ -93,11 +87,14 @@ def lut_tables() -> torch.Tensor:
 def lut_quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, fp32 squared levels) of fp32 values through the table, as the kernel computes
     them (a host-side mirror for tests)."""
-    tab = lut_table(bits).view(-1, ENTRY_WORDS).to(torch.int64)
-    shift = lut_shift(bits)
-    b = v.contiguous().view(torch.int32).to(torch.int64)
-    e = tab[(b >> shift) + (1 << (31 - shift))]
-    p = b > e[..., 0]
-    code = torch.where(p, e[..., 2], e[..., 1])
-    sq = torch.where(p, e[..., 4], e[..., 3]).to(torch.int32).view(torch.float32)
+    tab = lut_table(bits).view(-1, ENTRY_WORDS).to(torch.int64) & 0xFFFFFFFF
+    half = 1 << (bits - 1)
+    raw = v.contiguous().view(torch.int32).to(torch.int64)
+    neg = ~(v > 0)
+    a = (raw & 0x7FFFFFFF) + neg.to(torch.int64)
+    e = tab[torch.clamp(a >> lut_shift(bits), max=lut_cells(bits) - 1)]
+    p = a > e[..., 0]
+    n = e[..., 1] + p.to(torch.int64)
+    code = (n + half) ^ torch.where(neg, 2 * half - 1, 0)
+    sq = torch.where(p, e[..., 3], e[..., 2]).to(torch.int32).view(torch.float32)
     return code, sq

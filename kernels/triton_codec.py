@@ -451,18 +451,24 @@ def _quantize(v, tab_ptr, BND: tl.constexpr, B: tl.constexpr, QMODE: tl.constexp
 def _quantize_lut(v, tab_ptr, B: tl.constexpr, D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
                   C: tl.constexpr):
     """(code, fp32 squared level) of v through the bucketed table of kernels/quant_lut.py: the
-    top bits of v's bit pattern pick a cell, the cell's single change point t decides between
-    its two codes. Bit-identical to #{k : v > boundary_k} for every float (NaN: 0)."""
+    sign is folded as in _quantize (a = |v| bits, one ulp up where v <= 0), a's top bits pick a
+    cell (clamped to the last), the cell's single change point t gives n = #{j : a > P_j}.
+    Bit-identical to #{k : v > boundary_k} for every float (NaN: code 0)."""
+    H: tl.constexpr = 1 << (B - 1)
     QB: tl.constexpr = (2 * D + 3 * 126 + 7) // 8 * 8  # lut_base(D)
     QS: tl.constexpr = 24 - B  # quant_lut.lut_shift
-    QOFF: tl.constexpr = QB + 4096 * ((1 << (B - 1)) - 1) + 8 * (1 << (31 - QS))
+    NC: tl.constexpr = 130 << (B - 1)  # quant_lut.lut_cells
+    QOFF: tl.constexpr = QB + 4 * 130 * ((1 << (B - 1)) - 1)  # + quant_lut.lut_offset
     bits = v.to(tl.int32, bitcast=True)
-    idx = (bits >> QS) * 8 + QOFF
+    neg = tl.where(v > 0.0, 0, -1)  # not v > 0 (zeros of both signs, NaN), as the reference
+    a = ((bits & 0x7FFFFFFF) + (neg & 1)).to(tl.uint32, bitcast=True)
+    cell = tl.minimum(a >> QS, NC - 1).to(tl.int32, bitcast=True)
     tp = tab_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    t, lo, hi, c2lo = _gather_quads(tp, idx, L, BT, C)
-    c2hi = _gather_rows(tp + 4, idx, L, BT, C)
-    p = bits > t
-    return tl.where(p, hi, lo), tl.where(p, c2hi, c2lo).to(tl.float32, bitcast=True)
+    t, n_lo, c2lo, c2hi = _gather_quads(tp, cell * 4 + QOFF, L, BT, C)
+    p = a > t.to(tl.uint32, bitcast=True)
+    n = n_lo + p.to(tl.int32)
+    code = (n + H) ^ (neg & (2 * H - 1))
+    return code, tl.where(p, c2hi, c2lo).to(tl.float32, bitcast=True)
 
 
 @triton.jit
