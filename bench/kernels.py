@@ -281,15 +281,16 @@ def check_cases(presets: list[str]) -> list[CheckCase]:
 HD256 = dict(layers=8, heads=4, dim=256)  # the head_dim 256 comparison below
 SWEEP_GEOMS = {**MODELS, "hd256 x4 heads": HD256}
 # launch shapes and quantizers tried (tq4 and tq3, LBNHC): (geometry, KernelConfig fields);
-# {} = the default (qmode 2, the bucketed table); qmode 1 = the select tree it replaced
+# {} = the default (qmode 1, the select tree); qmode 2 = the bucketed table
 SWEEP: list[tuple[str, dict[str, Any]]] = [
     ("Llama-3.1-8B", dict()),
-    ("Llama-3.1-8B", dict(qmode=1)),
-    ("Llama-3.1-8B", dict(num_warps=8)),
+    ("Llama-3.1-8B", dict(qmode=2)),
+    ("Llama-3.1-8B", dict(sum_rows=64)),
+    ("Llama-3.1-8B", dict(qmode=2, sum_rows=64)),
     ("SmolLM2-135M", dict()),
-    ("SmolLM2-135M", dict(qmode=1)),
+    ("SmolLM2-135M", dict(qmode=2)),
     ("hd256 x4 heads", dict()),
-    ("hd256 x4 heads", dict(qmode=1)),
+    ("hd256 x4 heads", dict(qmode=2)),
 ]
 
 

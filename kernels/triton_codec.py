@@ -643,21 +643,22 @@ def _row_offsets(blocks_ptr, blk0, start, t, valid, layer_off, h, stride_blk, st
 # chunk mean (pairwise fold over tokens, binary tree over aligned tiles)
 # ------------------------------------------------------------------------------------------
 @triton.jit
-def _fold_t(x, A: tl.constexpr, TH: tl.constexpr, N: tl.constexpr):
-    """Pairwise fold of x [A, TH, N, 8] over dim 2 (registers) -> [A, TH, 8]."""
+def _fold_t(x, A1: tl.constexpr, TH: tl.constexpr, A2: tl.constexpr, N: tl.constexpr):
+    """Pairwise fold of x [A1, TH, A2, N, 8] over dim 3 (registers) -> [A1, TH, A2, 8]."""
     if N == 1:
-        return tl.reshape(x, [A, TH, 8])
+        return tl.reshape(x, [A1, TH, A2, 8])
     else:
-        return _fold_t(tl.sum(tl.reshape(x, [A, TH, N // 2, 2, 8]), axis=3), A, TH, N // 2)
+        return _fold_t(tl.sum(tl.reshape(x, [A1, TH, A2, N // 2, 2, 8]), axis=4), A1, TH, A2,
+                       N // 2)
 
 
 @triton.jit
-def _fold_th(x, A: tl.constexpr, N: tl.constexpr):
-    """Pairwise fold of x [A, N, 8] over dim 1 (lanes / warps) -> [A, 8]."""
+def _fold_th(x, A1: tl.constexpr, N: tl.constexpr, A2: tl.constexpr):
+    """Pairwise fold of x [A1, N, A2, 8] over dim 1 (lanes of one warp) -> [A1, A2, 8]."""
     if N == 1:
-        return tl.reshape(x, [A, 8])
+        return tl.reshape(x, [A1, A2, 8])
     else:
-        return _fold_th(tl.sum(tl.reshape(x, [A, N // 2, 2, 8]), axis=2), A, N // 2)
+        return _fold_th(tl.sum(tl.reshape(x, [A1, N // 2, 2, A2, 8]), axis=2), A1, N // 2, A2)
 
 
 @triton.jit
@@ -673,29 +674,39 @@ def _merge(lv, carry, done, bit):
 
 @triton.jit
 def _sum_tile(kv_ptr, blocks_ptr, blk0, start, T, t0, layer_off, h, stride_blk, stride_tok,
-              stride_head, block_size, D: tl.constexpr, BT: tl.constexpr, TH: tl.constexpr,
-              TL_: tl.constexpr):
-    """Rows t0..t0+BT of head h as [D/8, TH, TL, 8] (the chunk-mean tile layout), 0 past T."""
-    A: tl.constexpr = D // 8
-    a = tl.arange(0, A)[:, None, None, None]
-    b = tl.arange(0, 8)[None, None, None, :]
+              stride_head, block_size, BT: tl.constexpr, A1: tl.constexpr, TH: tl.constexpr,
+              A2: tl.constexpr, TL_: tl.constexpr):
+    """Rows t0..t0+BT of head h as [A1, TH, A2, TL, 8] (the chunk-mean tile layout), 0 past T:
+    row t = th*TL + tl, channel (a2*A1 + a1)*8 + k. A warp's lanes take A1 channel pieces x TH
+    rows, the warps the A2 pieces, so the token fold never leaves a warp (no shared memory)."""
     t1 = t0 + tl.arange(0, BT)
     v1 = t1 < T
     row1 = _row_offsets(blocks_ptr, blk0, start, t1, v1, layer_off, h, stride_blk, stride_tok,
                         stride_head, block_size)
+    b = tl.arange(0, 8)[None, None, None, None, :]
     if ROWS_FIRST:
-        row = tl.multiple_of(tl.reshape(row1, [1, TH, TL_, 1]), [8, 8, 8, 8])
-        valid = tl.reshape(v1, [1, TH, TL_, 1])
-        return tl.load(kv_ptr + (row + a * 8 + b), mask=valid, other=0.0)
+        a1 = tl.arange(0, A1)[:, None, None, None, None]
+        a2 = tl.arange(0, A2)[None, None, :, None, None]
+        row = tl.multiple_of(tl.reshape(row1, [1, TH, 1, TL_, 1]), [8, 8, 8, 8, 8])
+        valid = tl.reshape(v1, [1, TH, 1, TL_, 1])
+        return tl.load(kv_ptr + (row + (a2 * A1 + a1) * 8 + b), mask=valid, other=0.0)
     else:
-        # [TL, TH, D/8, 8] pointers: the 3.8+ tie order gives the threads to the channels, then
-        # TH, as 3.6 does for [D/8, TH, TL, 8] (see _rows_first)
-        rowt = tl.multiple_of(tl.permute(tl.reshape(row1, [1, TH, TL_, 1]), (2, 1, 0, 3)),
-                              [8, 8, 8, 8])
-        validt = tl.permute(tl.reshape(v1, [1, TH, TL_, 1]), (2, 1, 0, 3))
-        at = tl.arange(0, A)[None, None, :, None]
-        x = tl.load(kv_ptr + (rowt + at * 8 + b), mask=validt, other=0.0)
-        return tl.permute(x, (2, 1, 0, 3))
+        # [TL, A2, TH, A1, 8] pointers: the 3.8+ tie order gives the threads to A1, then TH,
+        # the warps to A2, as 3.6 does for [A1, TH, A2, TL, 8] (see _rows_first)
+        a1 = tl.arange(0, A1)[None, None, None, :, None]
+        a2 = tl.arange(0, A2)[None, :, None, None, None]
+        rowt = tl.multiple_of(tl.permute(tl.reshape(row1, [1, TH, 1, TL_, 1]), (3, 2, 1, 0, 4)),
+                              [8, 8, 8, 8, 8])
+        validt = tl.permute(tl.reshape(v1, [1, TH, 1, TL_, 1]), (3, 2, 1, 0, 4))
+        x = tl.load(kv_ptr + (rowt + (a2 * A1 + a1) * 8 + b), mask=validt, other=0.0)
+        return tl.permute(x, (3, 2, 1, 0, 4))
+
+
+def sum_tile_rows(head_dim: int, num_warps: int) -> int:
+    """Rows one chunk-mean tile spans across lanes: the lanes of a warp not spent on channel
+    pieces (_chunk_sum's A1; the host picks tiles at least this tall)."""
+    q = head_dim // 8 // num_warps
+    return 32 // (4 if q >= 4 else (2 if q >= 2 else 1))
 
 
 @triton.jit
@@ -705,40 +716,44 @@ def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, 
     """Per-channel sum of the chunk's T tokens of head h in the reference's order: tokens padded
     with +0 to P = next power of two, adjacent pairs folded. Tiles of BT aligned rows are exact
     subtrees; a binary counter (LV levels) folds the tile sums. The tile is laid out with tokens
-    t = th*TL + tl, the low token bits in registers (cheap first fold levels) and the channels
-    across lanes. Returns [D/8, 8] fp32."""
+    t = th*TL + tl, the low token bits in registers (cheap first fold levels), the next ones
+    across TH lanes of a warp (shuffles) and the channels across the other lanes and the warps
+    (see _sum_tile; the counter keeps [A1, A2, 8]). Returns [D/8, 8] fp32."""
     A: tl.constexpr = D // 8
-    LA: tl.constexpr = A if A < 32 else 32
-    TH: tl.constexpr = (32 // LA) * NUM_WARPS
+    # lanes per warp along the channel pieces: 4 (8 rows per warp), fewer when the warps would
+    # run out of pieces (sum_tile_rows mirrors this on the host)
+    A1: tl.constexpr = 4 if A // NUM_WARPS >= 4 else (2 if A // NUM_WARPS >= 2 else 1)
+    A2: tl.constexpr = A // A1
+    TH: tl.constexpr = 32 // A1
     TL_: tl.constexpr = BT // TH
-    b = tl.arange(0, 8)[None, None, None, :]
-    lv0 = tl.zeros([A, 8], tl.float32)
-    lv1 = tl.zeros([A, 8], tl.float32)
-    lv2 = tl.zeros([A, 8], tl.float32)
-    lv3 = tl.zeros([A, 8], tl.float32)
-    lv4 = tl.zeros([A, 8], tl.float32)
-    lv5 = tl.zeros([A, 8], tl.float32)
-    lv6 = tl.zeros([A, 8], tl.float32)
-    lv7 = tl.zeros([A, 8], tl.float32)
-    lv8 = tl.zeros([A, 8], tl.float32)
-    lv9 = tl.zeros([A, 8], tl.float32)
-    lv10 = tl.zeros([A, 8], tl.float32)
-    lv11 = tl.zeros([A, 8], tl.float32)
-    lv12 = tl.zeros([A, 8], tl.float32)
-    lv13 = tl.zeros([A, 8], tl.float32)
-    carry = tl.zeros([A, 8], tl.float32)
+    b = tl.arange(0, 8)[None, None, None, None, :]
+    lv0 = tl.zeros([A1, A2, 8], tl.float32)
+    lv1 = tl.zeros([A1, A2, 8], tl.float32)
+    lv2 = tl.zeros([A1, A2, 8], tl.float32)
+    lv3 = tl.zeros([A1, A2, 8], tl.float32)
+    lv4 = tl.zeros([A1, A2, 8], tl.float32)
+    lv5 = tl.zeros([A1, A2, 8], tl.float32)
+    lv6 = tl.zeros([A1, A2, 8], tl.float32)
+    lv7 = tl.zeros([A1, A2, 8], tl.float32)
+    lv8 = tl.zeros([A1, A2, 8], tl.float32)
+    lv9 = tl.zeros([A1, A2, 8], tl.float32)
+    lv10 = tl.zeros([A1, A2, 8], tl.float32)
+    lv11 = tl.zeros([A1, A2, 8], tl.float32)
+    lv12 = tl.zeros([A1, A2, 8], tl.float32)
+    lv13 = tl.zeros([A1, A2, 8], tl.float32)
+    carry = tl.zeros([A1, A2, 8], tl.float32)
     n_tiles = tl.maximum(P // BT, 1)
     for i in range(0, n_tiles):
-        t = tl.reshape(i * BT + tl.arange(0, BT), [1, TH, TL_, 1])
+        t = tl.reshape(i * BT + tl.arange(0, BT), [1, TH, 1, TL_, 1])
         m = (t < T) & (b < 8)
         x = _src_vals(_sum_tile(kv_ptr, blocks_ptr, blk0, start, T, i * BT, layer_off, h,
-                                stride_blk, stride_tok, stride_head, block_size, D, BT, TH, TL_),
+                                stride_blk, stride_tok, stride_head, block_size, BT, A1, TH, A2, TL_),
                       sc, MANUAL).to(tl.float32)
         # rows in [T, P) are the reference's +0 padding; rows past P (P < BT) must not change
         # any sum, so they are -0 (x + -0 == x for every x, +0 included)
         pad = tl.where(t < P, 0.0, -0.0)
         x = tl.where(m, x, pad)
-        s = _fold_th(_fold_t(x, A, TH, TL_), A, TH)
+        s = _fold_th(_fold_t(x, A1, TH, A2, TL_), A1, TH, A2)
         carry = s
         done = tl.full([], 0, tl.int32)
         if LV > 0:
@@ -769,7 +784,7 @@ def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, 
             lv12, carry, done = _merge(lv12, carry, done, (i >> 12) & 1)
         if LV > 13:
             lv13, carry, done = _merge(lv13, carry, done, (i >> 13) & 1)
-    return carry
+    return tl.reshape(tl.permute(carry, (1, 0, 2)), [A, 8])
 
 
 # ------------------------------------------------------------------------------------------

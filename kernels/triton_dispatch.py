@@ -51,15 +51,17 @@ class KernelConfig:
     search with gathered thresholds, 1 a select tree over the thresholds, 2 one gather from the
     bucketed table of kernels/quant_lut.py (code and squared level together); ``tile_rows`` overrides the rows per tile (tests use small tiles to
     reach the multi-tile paths with few tokens); ``max_registers`` caps the registers per thread
-    (ptxas ``.maxnreg``; None: the compiler's choice)."""
+    (ptxas ``.maxnreg``; None: the compiler's choice); ``sum_rows``: rows per tile of the
+    chunk-mean pass (None: ``sum_rows_for``'s default)."""
 
     num_warps: int = 4
     lanes: int | None = None
     decode_lanes: int | None = None
-    qmode: int = 2
+    qmode: int = 1
     tile_rows: int | None = None
     verify_words: int = 4096
     max_registers: int | None = None
+    sum_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -73,6 +75,8 @@ class KernelConfig:
             raise ValueError("tile_rows must be a power of two")
         if self.verify_words < 16 or self.verify_words & (self.verify_words - 1):
             raise ValueError("verify_words must be a power of two >= 16")
+        if self.sum_rows is not None and (self.sum_rows < 8 or self.sum_rows & (self.sum_rows - 1)):
+            raise ValueError("sum_rows must be a power of two >= 8")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in 24..255, got {self.max_registers}")
 
@@ -97,9 +101,11 @@ class KernelConfig:
     def sum_rows_for(self, head_dim: int, transform: bool = True) -> int:
         """Rows per tile of the chunk-mean pass: ``tile_rows`` if set, else at least 32 (fewer,
         longer steps: 8-row tiles made the hd128 encoder 40% slower), and at least the rows
-        its layout covers (head_dim/8 lanes across a row)."""
-        th = max(32 // min(head_dim // 8, 32), 1) * self.num_warps
-        rows = self.tile_rows or max(self.tile_rows_for(head_dim, True, transform), 32)
+        its layout covers (the lanes of one warp not spent on channels, see _sum_lanes)."""
+        from turbowire.kernels.triton_codec import sum_tile_rows
+
+        th = sum_tile_rows(head_dim, self.num_warps)
+        rows = self.sum_rows or self.tile_rows or max(self.tile_rows_for(head_dim, True, transform), 32)
         return max(rows, th)
 
     def launch_options(self) -> dict[str, Any]:

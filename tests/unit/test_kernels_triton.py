@@ -87,12 +87,13 @@ class Case:
 
 
 SMALL = KernelConfig(num_warps=1, tile_rows=16)
+LUT = KernelConfig(num_warps=1, tile_rows=16, qmode=2)  # the bucketed-table quantizer
 CASES = {
     "raw-d64-LBNHC-bs16": Case("raw", 64, "LBNHC", 16, torch.bfloat16, ((0, 40), (40, 9)), SMALL),
     "k8v4-d128-LBHNC-bs32-fp16": Case("k8v4", 128, "LBHNC", 32, torch.float16, ((0, 33),),
                                       KernelConfig(num_warps=1, tile_rows=16, qmode=0)),
     # T = 70 in tiles of 16: the chunk mean folds 8 tiles through the binary counter
-    "tq4-d64-cpu-bs64-multitile": Case("tq4", 64, "cpu_packed", 64, torch.bfloat16, ((0, 70),), SMALL,
+    "tq4-d64-cpu-bs64-multitile": Case("tq4", 64, "cpu_packed", 64, torch.bfloat16, ((0, 70),), LUT,
                                        heads=1),
     "k4v3-d256-LBNHC-bs128-lanes2": Case("k4v3", 256, "LBNHC", 128, torch.bfloat16, ((0, 20),), SMALL,
                                          heads=1),
@@ -126,7 +127,7 @@ CASES = {
         custom(StreamSpec("lloyd", bits=1, center=True, sink_tokens=1),
                StreamSpec("lloyd", bits=2), 103),
         64, "LBHNC", 16, torch.bfloat16, ((0, 24), (24, 17)),
-        KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1),
+        KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1, qmode=2),
     ),
     "hi-eighths-d64-lanes1": Case(
         custom(StreamSpec("lloyd", bits=3, center=True, hi_eighths=2),
@@ -142,7 +143,7 @@ CASES = {
     "hi-eighths-d64-fp16": Case(
         custom(StreamSpec("lloyd", bits=2, center=True, hi_eighths=2),
                StreamSpec("lloyd", bits=5, sink_tokens=1, hi_eighths=1), 102),
-        64, "LBNHC", 32, torch.float16, ((0, 12),), SMALL,
+        64, "LBNHC", 32, torch.float16, ((0, 12),), LUT,
     ),
 }
 
