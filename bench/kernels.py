@@ -285,8 +285,8 @@ SWEEP_GEOMS = {**MODELS, "hd256 x4 heads": HD256}
 SWEEP: list[tuple[str, dict[str, Any]]] = [
     ("Llama-3.1-8B", dict()),
     ("Llama-3.1-8B", dict(qmode=2)),
-    ("Llama-3.1-8B", dict(sum_rows=64)),
-    ("Llama-3.1-8B", dict(qmode=2, sum_rows=64)),
+    ("Llama-3.1-8B", dict(max_registers=128)),  # 4 encoder programs per SM instead of 3
+    ("Llama-3.1-8B", dict(max_registers=80)),  # decoder: 6 programs per SM instead of 5
     ("SmolLM2-135M", dict()),
     ("SmolLM2-135M", dict(qmode=2)),
     ("hd256 x4 heads", dict()),
