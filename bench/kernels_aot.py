@@ -123,12 +123,15 @@ def main() -> int:
     ap.add_argument("--lanes", type=int, nargs="*", default=[0], help="0: the default")
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--max-registers", type=int, default=None)
+    ap.add_argument("--qmode", type=int, default=1, choices=(0, 1, 2),
+                    help="encoder quantizer: 1 select tree (default), 2 bucketed table, 0 gathers")
     ap.add_argument("--ttgir", type=Path, default=None, help="write the last encoder's TTGIR here")
     ap.add_argument("--sass", action="store_true", help="also count SASS instructions by opcode")
     args = ap.parse_args()
     for lanes in args.lanes:
         cfg = td.KernelConfig(num_warps=args.num_warps, lanes=lanes or None,
-                              decode_lanes=lanes or None, max_registers=args.max_registers)
+                              decode_lanes=lanes or None, max_registers=args.max_registers,
+                              qmode=args.qmode)
         for name, fn, encode in (("encode", tk.encode_kernel, True), ("decode", tk.decode_kernel, False)):
             cx = constants(args.preset, args.head_dim, cfg, encode)
             k = compile_kernel(fn, cx, cfg)

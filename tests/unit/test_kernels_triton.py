@@ -157,6 +157,14 @@ def test_default_lanes_and_refusals() -> None:
         KernelConfig(lanes=16).lanes_for(64)
     with pytest.raises(ValueError, match="max_registers"):
         KernelConfig(max_registers=8)
+    with pytest.raises(ValueError, match="qmode"):
+        KernelConfig(qmode=3)
+    with pytest.raises(ValueError, match="sum_rows"):
+        KernelConfig(sum_rows=24)
+    # the chunk-mean tile spans the lanes of one warp not spent on channel pieces
+    assert [cfg.sum_rows_for(d) for d in (64, 128, 256)] == [32, 32, 32]
+    assert KernelConfig(num_warps=8).sum_rows_for(64) == 32
+    assert KernelConfig(num_warps=1, tile_rows=4).sum_rows_for(128) == 8
 
 
 def _items(case: Case, src_blocks: list[int], dst_blocks: list[int], written=None, tags=(11, 22)):
