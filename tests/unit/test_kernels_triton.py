@@ -163,7 +163,7 @@ def test_default_lanes_and_refusals() -> None:
         KernelConfig(sum_rows=24)
     # the chunk-mean tile spans the lanes of one warp not spent on channel pieces
     assert [cfg.sum_rows_for(d) for d in (64, 128, 256)] == [32, 32, 32]
-    assert KernelConfig(num_warps=8).sum_rows_for(64) == 32
+    assert KernelConfig(num_warps=8, tile_rows=8).sum_rows_for(64) == 32  # 1 piece x 32 rows per warp
     assert KernelConfig(num_warps=1, tile_rows=4).sum_rows_for(128) == 8
 
 
