@@ -46,8 +46,10 @@ POINTERS = {"kv_ptr": "*bf16", "out_ptr": "*u8", "src_ptr": "*u8", "items_ptr": 
             "status_ptr": "*i32"}
 
 
-def compile_kernel(fn: Any, constexprs: dict[str, Any], cfg: td.KernelConfig) -> Any:
-    """One kernel for sm_90 with the runtime's alignment assumptions."""
+def compile_kernel(fn: Any, constexprs: dict[str, Any], cfg: td.KernelConfig,
+                   max_registers: int | None = None) -> Any:
+    """One kernel for sm_90 with the runtime's alignment assumptions (``max_registers``: the
+    encoder's cap, as ``KernelConfig.encode_registers_for`` picks it)."""
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list[list[Any]]] = {}
     for i, p in enumerate(fn.params):
@@ -58,7 +60,7 @@ def compile_kernel(fn: Any, constexprs: dict[str, Any], cfg: td.KernelConfig) ->
             if sig[p.name].startswith("*") or p.name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    opts: dict[str, Any] = {"enable_fp_fusion": False, **cfg.launch_options()}
+    opts: dict[str, Any] = {"enable_fp_fusion": False, **cfg.launch_options(max_registers)}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -134,7 +136,11 @@ def main() -> int:
                               qmode=args.qmode)
         for name, fn, encode in (("encode", tk.encode_kernel, True), ("decode", tk.decode_kernel, False)):
             cx = constants(args.preset, args.head_dim, cfg, encode)
-            k = compile_kernel(fn, cx, cfg)
+            cap = None
+            if encode:
+                pol = Codec(args.preset, args.head_dim, 32).policy(16)
+                cap = cfg.encode_registers_for(pol.k, pol.v, args.head_dim)
+            k = compile_kernel(fn, cx, cfg, cap)
             ttgir = k.asm["ttgir"]
             print(f"triton {triton.__version__} {args.preset} hd{args.head_dim} {name} "
                   f"lanes={cx['L']} rows={cx['BT']} warps={args.num_warps}: {resources(k)} "

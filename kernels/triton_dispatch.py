@@ -49,10 +49,13 @@ class KernelConfig:
     """Launch shape of the kernels. ``lanes`` / ``decode_lanes``: threads sharing one head vector
     (None: ``lanes_for``'s default); ``qmode``: how the encoder finds a Lloyd-Max code: 0 binary
     search with gathered thresholds, 1 a select tree over the thresholds, 2 one gather from the
-    bucketed table of kernels/quant_lut.py (code and squared level together); ``tile_rows`` overrides the rows per tile (tests use small tiles to
-    reach the multi-tile paths with few tokens); ``max_registers`` caps the registers per thread
-    (ptxas ``.maxnreg``; None: the compiler's choice); ``sum_rows``: rows per tile of the
-    chunk-mean pass (None: ``sum_rows_for``'s default)."""
+    bucketed table of kernels/quant_lut.py (code and squared level together); ``tile_rows``
+    overrides the rows per tile (tests use small tiles to reach the multi-tile paths with few
+    tokens); ``max_registers`` caps the registers per thread of every kernel (ptxas
+    ``.maxnreg``; None: the compiler's choice); ``encode_max_registers`` caps the encoder alone
+    when ``max_registers`` is None: "tuned" (the caps measured for the stock presets, see
+    ``TUNED_ENCODE_REGISTERS``), an int, or None; ``sum_rows``: rows per tile of the chunk-mean
+    pass (None: ``sum_rows_for``'s default)."""
 
     num_warps: int = 4
     lanes: int | None = None
@@ -62,6 +65,7 @@ class KernelConfig:
     verify_words: int = 4096
     max_registers: int | None = None
     sum_rows: int | None = None
+    encode_max_registers: int | str | None = "tuned"
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -79,6 +83,9 @@ class KernelConfig:
             raise ValueError("sum_rows must be a power of two >= 8")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in 24..255, got {self.max_registers}")
+        cap = self.encode_max_registers
+        if cap is not None and cap != "tuned" and not (isinstance(cap, int) and 24 <= cap <= 255):
+            raise ValueError(f"encode_max_registers is 'tuned', None or 24..255, got {cap!r}")
 
     def lanes_for(self, head_dim: int, encode: bool = True, transform: bool = True) -> int:
         """Threads sharing one row (one token's head vector). Default: head_dim/8 (each thread
@@ -108,11 +115,39 @@ class KernelConfig:
         rows = self.sum_rows or self.tile_rows or max(self.tile_rows_for(head_dim, True, transform), 32)
         return max(rows, th)
 
-    def launch_options(self) -> dict[str, Any]:
+    def encode_registers_for(self, kspec: StreamSpec, vspec: StreamSpec, head_dim: int) -> int | None:
+        """The encoder's register cap for one launch (``max_registers`` wins when set)."""
+        if self.max_registers is not None:
+            return self.max_registers
+        if self.encode_max_registers != "tuned":
+            return self.encode_max_registers  # type: ignore[return-value]
+        if self.num_warps != 4 or self.lanes is not None or self.tile_rows is not None:
+            return None  # the caps were measured at the default launch shape only
+        return TUNED_ENCODE_REGISTERS.get((kspec, vspec, head_dim))
+
+    def launch_options(self, max_registers: int | None = None) -> dict[str, Any]:
+        """Triton launch options; ``max_registers`` (an encoder's cap) overrides the config's."""
         opts: dict[str, Any] = {"num_warps": self.num_warps}
-        if self.max_registers is not None and not interpreting():
-            opts["maxnreg"] = self.max_registers
+        cap = self.max_registers if max_registers is None else max_registers
+        if cap is not None and not interpreting():
+            opts["maxnreg"] = cap
         return opts
+
+
+def _tuned_encode_registers() -> dict[tuple[StreamSpec, StreamSpec, int], int]:
+    """Encoder register caps measured on one H200 with triton 3.6 (bench/RESULTS.md, run 5 of
+    the third pass: the same-run sweep of caps 128 and 168 over every stock preset at hd128).
+    Uncapped, these encoders use 158-193 registers, 2 or 3 programs of 128 threads per SM; the
+    cap that paid most is listed (tq3 0.825 -> 0.664 ms, k8v4 0.594 -> 0.435, k3v2 0.771 -> 0.612,
+    tq2 0.563 -> 0.508, k5v4 1.100 -> 1.058). tq4 and k4v3 (138-141 registers) got slower with
+    either cap and are not listed. Keyed by the layer policy's (K, V) stream specs."""
+    from turbowire.codec.presets import get_preset
+
+    caps = {"tq3": 128, "k3v2": 128, "tq2": 128, "k8v4": 128, "k5v4": 168}
+    return {(get_preset(n).body.k, get_preset(n).body.v, 128): c for n, c in caps.items()}
+
+
+TUNED_ENCODE_REGISTERS = _tuned_encode_registers()
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -526,7 +561,8 @@ class EncodePlan:
             kwargs = dict(
                 D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
                 FP8_MANUAL=interpreting(), SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0),
-                S2M=_sign_mask(dim, 1), NUM_WARPS=cfg.num_warps, **cfg.launch_options(),
+                S2M=_sign_mask(dim, 1), NUM_WARPS=cfg.num_warps,
+                **cfg.launch_options(cfg.encode_registers_for(kspec, vspec, dim)),
                 enable_fp_fusion=False,
             )
             self._calls.append(((n * 2 * lay0.num_heads,), args, kwargs))

@@ -161,6 +161,18 @@ def test_default_lanes_and_refusals() -> None:
         KernelConfig(qmode=3)
     with pytest.raises(ValueError, match="sum_rows"):
         KernelConfig(sum_rows=24)
+    with pytest.raises(ValueError, match="encode_max_registers"):
+        KernelConfig(encode_max_registers="max")
+    # encoder register caps: measured per stock preset at hd128 and the default shape only;
+    # an explicit max_registers (both kernels) wins, None switches them off
+    tq3, tq4 = Codec("tq3", 128, 4).policy(1), Codec("tq4", 128, 4).policy(1)
+    assert cfg.encode_registers_for(tq3.k, tq3.v, 128) == 128
+    assert cfg.encode_registers_for(tq4.k, tq4.v, 128) is None
+    assert cfg.encode_registers_for(tq3.k, tq3.v, 64) is None
+    assert KernelConfig(tile_rows=16).encode_registers_for(tq3.k, tq3.v, 128) is None
+    assert KernelConfig(max_registers=96).encode_registers_for(tq4.k, tq4.v, 128) == 96
+    assert KernelConfig(encode_max_registers=None).encode_registers_for(tq3.k, tq3.v, 128) is None
+    assert KernelConfig(encode_max_registers=200).encode_registers_for(tq4.k, tq4.v, 64) == 200
     # the chunk-mean tile spans the lanes of one warp not spent on channel pieces
     assert [cfg.sum_rows_for(d) for d in (64, 128, 256)] == [32, 32, 32]
     assert KernelConfig(num_warps=8, tile_rows=8).sum_rows_for(64) == 32  # 1 piece x 32 rows per warp
