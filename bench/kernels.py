@@ -280,8 +280,8 @@ def check_cases(presets: list[str]) -> list[CheckCase]:
 
 HD256 = dict(layers=8, heads=4, dim=256)  # the head_dim 256 comparison below
 SWEEP_GEOMS = {**MODELS, "hd256 x4 heads": HD256}
-# launch shapes and quantizers tried (tq4 and tq3, LBNHC): (geometry, KernelConfig fields);
-# {} = the default (qmode 1, the select tree); qmode 2 = the bucketed table
+# launch shapes tried on the --sweep-presets (LBNHC), each checked and timed in the same run:
+# (geometry, KernelConfig fields); {} = the default (e.g. dict(qmode=2) for the table quantizer)
 SWEEP: list[tuple[str, dict[str, Any]]] = [
     ("Llama-3.1-8B", dict()),
     # register caps at the occupancy steps of a 128-thread program: <= 128 registers give 4

@@ -108,7 +108,8 @@ class KernelConfig:
     def sum_rows_for(self, head_dim: int, transform: bool = True) -> int:
         """Rows per tile of the chunk-mean pass: ``tile_rows`` if set, else at least 32 (fewer,
         longer steps: 8-row tiles made the hd128 encoder 40% slower), and at least the rows
-        its layout covers (the lanes of one warp not spent on channels, see _sum_lanes)."""
+        its layout covers (the lanes of one warp not spent on channels, see
+        triton_codec.sum_tile_rows)."""
         from turbowire.kernels.triton_codec import sum_tile_rows
 
         th = sum_tile_rows(head_dim, self.num_warps)
