@@ -106,7 +106,7 @@ class KernelConfig:
         return self.tile_rows or max(32 * self.num_warps // lanes, 1)
 
     def sum_rows_for(self, head_dim: int, transform: bool = True) -> int:
-        """Rows per tile of the chunk-mean pass: ``tile_rows`` if set, else at least 32 (fewer,
+        """Rows per tile of the chunk-mean pass: ``sum_rows`` or ``tile_rows`` if set, else at least 32 (fewer,
         longer steps: 8-row tiles made the hd128 encoder 40% slower), and at least the rows
         its layout covers (the lanes of one warp not spent on channels, see
         triton_codec.sum_tile_rows)."""
