@@ -293,7 +293,8 @@ def _gather_quads(tab_ptr, idx, L: tl.constexpr, BT: tl.constexpr, C: tl.constex
         x = tl.load(tab_ptr + (idx[:, :, :, None] + q[None, None, None, :]))
     else:
         it = tl.permute(idx, (2, 1, 0))
-        x = tl.permute(tl.load(tab_ptr + (it[:, :, :, None] + q[None, None, None, :])), (2, 1, 0, 3))
+        x = tl.load(tab_ptr + (it[:, :, :, None] + q[None, None, None, :]))
+        x = tl.permute(x, (2, 1, 0, 3))
     e02, e13 = tl.split(tl.reshape(x, [L, BT, C, 2, 2]))
     w0, w2 = tl.split(e02)
     w1, w3 = tl.split(e13)
@@ -747,7 +748,8 @@ def _chunk_sum(kv_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, stride_blk, 
         t = tl.reshape(i * BT + tl.arange(0, BT), [1, TH, 1, TL_, 1])
         m = (t < T) & (b < 8)
         x = _src_vals(_sum_tile(kv_ptr, blocks_ptr, blk0, start, T, i * BT, layer_off, h,
-                                stride_blk, stride_tok, stride_head, block_size, BT, A1, TH, A2, TL_),
+                                stride_blk, stride_tok, stride_head, block_size, BT, A1, TH, A2,
+                                TL_),
                       sc, MANUAL).to(tl.float32)
         # rows in [T, P) are the reference's +0 padding; rows past P (P < BT) must not change
         # any sum, so they are -0 (x + -0 == x for every x, +0 included)
@@ -1449,7 +1451,8 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
                     sv = valid & (t < S)
                     sb = sink_off + ri * (D * 2)
                     sbits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), sb // 2, sv, L, BT, C)
-                    y = tl.where(sv[None, :, None], _from_bits(sbits, SRC_FP16, OUT_DTYPE, MANUAL, sc), y)
+                    sink = _from_bits(sbits, SRC_FP16, OUT_DTYPE, MANUAL, sc)
+                    y = tl.where(sv[None, :, None], sink, y)
         _store_rows(kv_ptr, row, valid, y, L, BT, C)
 
 

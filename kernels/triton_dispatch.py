@@ -74,7 +74,8 @@ class KernelConfig:
             if lanes is not None and lanes not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"lanes must be a power of two up to 32, got {lanes}")
         if self.qmode not in (0, 1, 2):
-            raise ValueError("qmode is 0 (gathered thresholds), 1 (select tree) or 2 (bucketed table)")
+            raise ValueError(
+                "qmode is 0 (gathered thresholds), 1 (select tree) or 2 (bucketed table)")
         if self.tile_rows is not None and (self.tile_rows < 1 or self.tile_rows & (self.tile_rows - 1)):
             raise ValueError("tile_rows must be a power of two")
         if self.verify_words < 16 or self.verify_words & (self.verify_words - 1):
@@ -106,17 +107,20 @@ class KernelConfig:
         return self.tile_rows or max(32 * self.num_warps // lanes, 1)
 
     def sum_rows_for(self, head_dim: int, transform: bool = True) -> int:
-        """Rows per tile of the chunk-mean pass: ``sum_rows`` or ``tile_rows`` if set, else at least 32 (fewer,
-        longer steps: 8-row tiles made the hd128 encoder 40% slower), and at least the rows
-        its layout covers (the lanes of one warp not spent on channels, see
+        """Rows per tile of the chunk-mean pass: ``sum_rows`` or ``tile_rows`` if set, else at
+        least 32 (fewer, longer steps: 8-row tiles made the hd128 encoder 40% slower), and at
+        least the rows its layout covers (the lanes of one warp not spent on channels, see
         triton_codec.sum_tile_rows)."""
         from turbowire.kernels.triton_codec import sum_tile_rows
 
         th = sum_tile_rows(head_dim, self.num_warps)
-        rows = self.sum_rows or self.tile_rows or max(self.tile_rows_for(head_dim, True, transform), 32)
+        rows = (self.sum_rows or self.tile_rows
+                or max(self.tile_rows_for(head_dim, True, transform), 32))
         return max(rows, th)
 
-    def encode_registers_for(self, kspec: StreamSpec, vspec: StreamSpec, head_dim: int) -> int | None:
+    def encode_registers_for(
+        self, kspec: StreamSpec, vspec: StreamSpec, head_dim: int
+    ) -> int | None:
         """The encoder's register cap for one launch (``max_registers`` wins when set)."""
         if self.max_registers is not None:
             return self.max_registers

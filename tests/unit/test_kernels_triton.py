@@ -111,7 +111,8 @@ CASES = {
     # a whole row per thread (the lloyd default): in-register butterfly, carried-threshold
     # quantizer for 1-4 bits, the select tree above, row-major gathers, word and byte planes
     "tq4-d128-lanes1": Case("tq4", 128, "LBNHC", 16, torch.bfloat16, ((0, 40), (40, 9)),
-                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1, qmode=1)),
+                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1,
+                                         qmode=1)),
     # a block size that is no power of two (rows found by division, not shift and mask) and the
     # select-tree quantizer (qmode 1) over 4 lanes
     "tq4-d128-bs24-select-tree": Case("tq4", 128, "LBNHC", 24, torch.bfloat16, ((0, 40), (40, 9)),
@@ -175,7 +176,8 @@ def test_default_lanes_and_refusals() -> None:
     assert KernelConfig(encode_max_registers=200).encode_registers_for(tq4.k, tq4.v, 64) == 200
     # the chunk-mean tile spans the lanes of one warp not spent on channel pieces
     assert [cfg.sum_rows_for(d) for d in (64, 128, 256)] == [32, 32, 32]
-    assert KernelConfig(num_warps=8, tile_rows=8).sum_rows_for(64) == 32  # 1 piece x 32 rows per warp
+    # 8 warps at hd64: one channel piece and 32 rows per warp
+    assert KernelConfig(num_warps=8, tile_rows=8).sum_rows_for(64) == 32
     assert KernelConfig(num_warps=1, tile_rows=4).sum_rows_for(128) == 8
 
 

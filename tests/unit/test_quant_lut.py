@@ -30,7 +30,8 @@ def _probe_values(bits: int, seed: int) -> torch.Tensor:
                     dtype=np.float32)
     nan_bits = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001],
                         dtype=np.uint32).view(np.float32)
-    random_bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    random_bits = (rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+                   .view(np.float32))
     gaussian = (rng.standard_normal(200_000) * 1.5).astype(np.float32)
     return torch.from_numpy(np.concatenate([np.array(vals, np.float32), edge, nan_bits,
                                             random_bits, gaussian]))
