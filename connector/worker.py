@@ -140,6 +140,7 @@ class TurboWireWorker:
         self.vllm_config = vllm_config
         self.config = config
         self.engine_id = engine_id
+        self._layouts_logged: set[tuple] = set()
         ktc = vllm_config.kv_transfer_config
         self.is_producer = bool(ktc.is_kv_producer)
         self.is_consumer = bool(ktc.is_kv_consumer)
@@ -193,7 +194,7 @@ class TurboWireWorker:
             raise GeometryError(f"vLLM registered no KV cache for layers {missing[:3]}")
         self.kv_caches = [kv_caches[layer.name] for layer in self.geometry.layers]
         self._check_cache_dtypes()
-        self.paged_layouts = [self._layout_of(t) for t in self.kv_caches]
+        self.paged_layouts = [self._layout_of(i, t) for i, t in enumerate(self.kv_caches)]
         device = self.kv_caches[0].device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         try:
@@ -277,25 +278,38 @@ class TurboWireWorker:
             )
         return float(attn._k_scale_float), float(attn._v_scale_float)
 
-    def _layout_of(self, cache: torch.Tensor) -> Any:
-        """The cache's layout; on CPU with the token placement vLLM's attention really uses."""
+    def _layout_of(self, layer: int, cache: torch.Tensor) -> Any:
+        """The cache's layout; on CPU with the placement vLLM's attention really uses (probed
+        with vLLM's own cache-write op for the ISA the layer's attention runs)."""
         from turbowire.kernels import PagedKVLayout
 
         if cache.dim() == 4 and cache.device.type == "cpu":
-            from turbowire.connector.cpu_cache import cpu_kv_layout
+            from turbowire.kernels.cpu_attn_layout import cpu_attn_layout
 
-            return cpu_kv_layout(cache, self.geometry.head_dim)
+            isa = self._attn_isa(layer)
+            layout = cpu_attn_layout(cache, self.geometry.head_dim, isa)
+            key = (layout.isa, layout.describe(), cache.dtype, layout.block_size)
+            if key not in self._layouts_logged:
+                self._layouts_logged.add(key)
+                from turbowire.kernels.cpu_dispatch import served_by
+
+                log = logger.warning if layout.path == "generic" else logger.info
+                log(
+                    "vLLM CPU attention isa %s (%s, block size %d, head_dim %d): KV placed %s; "
+                    "turbowire serves it with %s",
+                    layout.isa, str(cache.dtype).replace("torch.", ""), layout.block_size,
+                    layout.head_dim, layout.describe(), served_by(layout),
+                )
+            return layout
         return PagedKVLayout.from_cache(cache, head_dim=self.geometry.head_dim)
 
-    def _via_packed(self, layout: Any, cache: torch.Tensor, buf: torch.Tensor) -> bool:
-        """CPU attention caches with keys transposed go through a contiguous scratch copy, unless
-        the C codec serves them in place (it gathers/scatters the transposed keys itself, which
-        saves the copy and the indexed write-back: about 40% of the CPU decode time)."""
-        if getattr(layout, "mapping", "packed") == "packed":
-            return False
-        from turbowire.kernels import cpu_dispatch
-
-        return not cpu_dispatch.applies(self.codec, cache, layout, buf)
+    def _attn_isa(self, layer: int) -> str | None:
+        """The ISA vLLM set on the layer's attention (None: let vLLM's rule pick it)."""
+        name = self.geometry.layers[layer].name
+        context = getattr(getattr(self.vllm_config, "compilation_config", None),
+                          "static_forward_context", None) or {}
+        isa = getattr(context.get(name), "isa", None)
+        return isa if isinstance(isa, str) and isa else None
 
     def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
         """Exact bytes of the chunk of request block ``block_index`` (the first block of a
@@ -370,13 +384,8 @@ class TurboWireWorker:
                 expected.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
         t0 = time.perf_counter()
         layout = self.paged_layouts[layer]
-        if self._via_packed(layout, cache, self.staging):
-            from turbowire.connector.cpu_cache import encode_via_packed
-
-            written = encode_via_packed(self.codec, layer, cache, layout, items, self.staging)
-        else:
-            written = encode_into(self.codec, layer, cache, layout, items, self.staging,
-                                  kv_scales=self._kv_scales(layer))
+        written = encode_into(self.codec, layer, cache, layout, items, self.staging,
+                              kv_scales=self._kv_scales(layer))
         self._step_encode_seconds += time.perf_counter() - t0
         for n, limit, want in zip(written, limits, expected, strict=True):
             if n > limit:  # would have spilled into the next layer's chunk
@@ -658,13 +667,8 @@ class TurboWireWorker:
                     )
                 )
             layout = self.paged_layouts[layer]
-            if self._via_packed(layout, self.kv_caches[layer], self.recv):
-                from turbowire.connector.cpu_cache import decode_via_packed
-
-                decode_via_packed(self.codec, layer, self.kv_caches[layer], layout, items, self.recv)
-            else:
-                decode_into(self.codec, layer, self.kv_caches[layer], layout, items, self.recv,
-                            kv_scales=self._kv_scales(layer))
+            decode_into(self.codec, layer, self.kv_caches[layer], layout, items, self.recv,
+                        kv_scales=self._kv_scales(layer))
         if self.recv.device.type == "cuda":
             torch.cuda.current_stream(self.recv.device).synchronize()
         return time.perf_counter() - t0

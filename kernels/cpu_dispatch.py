@@ -37,6 +37,7 @@ from turbowire.codec.presets import LayerPolicy
 from turbowire.codec.rotation import sign_tables
 from turbowire.codec.streams import StreamSpec, stream_layout
 from turbowire.codec.wire import DTYPE_CODES, parse_header, verify_body
+from turbowire.kernels.cpu_attn_layout import CpuAttnKVLayout
 from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 2  # must equal TW_ABI_VERSION in kernels/cpu/twcpu.h
+ABI_VERSION = 3  # must equal TW_ABI_VERSION in kernels/cpu/twcpu.h
 MODULE = "turbowire.kernels._twcpu"
 ISA_NAMES = {0: "base", 2: "x86-64-v2", 3: "x86-64-v3"}
 _ISA_CODES = {"base": 0, "v2": 2, "x86-64-v2": 2, "v3": 3, "x86-64-v3": 3}
@@ -107,6 +108,10 @@ class _Cache(ctypes.Structure):
         ("num_heads", ctypes.c_int64),
         ("dtype", ctypes.c_int32),
         ("_pad", ctypes.c_int32),
+        ("k_slot_off", ctypes.c_void_p),
+        ("k_dim_off", ctypes.c_void_p),
+        ("v_slot_off", ctypes.c_void_p),
+        ("v_dim_off", ctypes.c_void_p),
     ]
 
 
@@ -256,6 +261,12 @@ def _why_not(
         return "the staging/source buffer is not a flat contiguous uint8 CPU tensor"
     if layout.head_dim != codec.head_dim or codec.head_dim not in (64, 128, 256):
         return f"cache head_dim {layout.head_dim} does not match the codec's {codec.head_dim}"
+    if isinstance(layout, CpuAttnKVLayout) and layout.path != "strided":
+        if layout.path == "generic":
+            return f"vLLM CPU attention (isa {layout.isa}) places KV {layout.describe()}"
+        if not available():
+            return "the C library is not built or disabled (see the warning logged at load)"
+        return None
     k, v = layout.views(kv_cache)
     if k.shape != v.shape or k.dim() != 4:
         return "the K/V views are not [blocks, slots, heads, head_dim] of one shape"
@@ -270,6 +281,16 @@ def applies(codec: Codec, kv_cache: torch.Tensor, layout: PagedKVLayout, buf: to
     """Whether the C path serves this call: a CPU bf16/fp16 cache (any positive strides), a
     flat contiguous CPU uint8 buffer, and a built library (anything else: the reference)."""
     return _why_not(codec, kv_cache, layout, buf) is None
+
+
+def served_by(layout: CpuAttnKVLayout) -> str:
+    """Which implementation a vLLM CPU attention layout gets, in words (for the engine log)."""
+    if layout.path == "generic":
+        return "the reference codec through the probed table (generic gather/scatter, slower)"
+    if not available():
+        return "the reference codec (the C codec is not built or disabled)"
+    how = "strides" if layout.path == "strided" else "slot/dim offset tables"
+    return f"the C codec ({isa()}) in place through {how}"
 
 
 def require_applicable(
@@ -335,7 +356,10 @@ def _codec_for(codec: Codec, layer: int) -> _Codec:
     return struct
 
 
-def _cache_struct(kv_cache: torch.Tensor, layout: PagedKVLayout) -> _Cache:
+def _cache_struct(kv_cache: torch.Tensor, layout: PagedKVLayout) -> tuple[_Cache, list]:
+    """The C view of the cache, and the offset tables it points into (keep them alive)."""
+    if isinstance(layout, CpuAttnKVLayout) and layout.path == "tiled":
+        return _tiled_cache_struct(kv_cache, layout)
     k, v = layout.views(kv_cache)
     c = _Cache(
         k=k.data_ptr(),
@@ -350,7 +374,31 @@ def _cache_struct(kv_cache: torch.Tensor, layout: PagedKVLayout) -> _Cache:
     for i in range(4):
         c.k_stride[i] = k.stride(i)
         c.v_stride[i] = v.stride(i)
-    return c
+    return c, []
+
+
+def _tiled_cache_struct(kv_cache: torch.Tensor, layout: CpuAttnKVLayout) -> tuple[_Cache, list]:
+    """A CPU attention cache whose slot/dim placement is a table (vLLM's AMX layout)."""
+    (kb, kst, kslot, kdim), (vb, vst, vslot, vdim) = layout.c_tables()
+    s0 = layout.block_stride(kv_cache)
+    elem = kv_cache.element_size()
+    c = _Cache(
+        k=kv_cache.data_ptr() + kb * elem,
+        v=kv_cache.data_ptr() + vb * elem,
+        num_blocks=layout.num_blocks,
+        block_size=layout.block_size,
+        num_heads=layout.num_heads,
+        dtype=DTYPE_CODES[kv_cache.dtype],
+    )
+    keep = [t for t in (kslot, kdim, vslot, vdim) if t is not None]
+    for i in range(4):
+        c.k_stride[i] = s0 if i == 0 else kst[i]
+        c.v_stride[i] = s0 if i == 0 else vst[i]
+    c.k_slot_off = kslot.ctypes.data if kslot is not None else None
+    c.k_dim_off = kdim.ctypes.data if kdim is not None else None
+    c.v_slot_off = vslot.ctypes.data if vslot is not None else None
+    c.v_dim_off = vdim.ctypes.data if vdim is not None else None
+    return c, keep
 
 
 def _ids(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
@@ -410,7 +458,7 @@ def encode_into(
     arr, keep = _items(
         items, [int(i.out_offset) for i in items], [0] * len(items), [int(i.tag) for i in items]
     )
-    cache = _cache_struct(kv_cache, layout)
+    cache, tables = _cache_struct(kv_cache, layout)
     err = _Error()
     rc = lib.tw_encode(
         ctypes.byref(cstruct),
@@ -421,7 +469,7 @@ def encode_into(
         staging.numel(),
         ctypes.byref(err),
     )
-    del keep
+    del keep, tables
     if rc:
         _raise_encode(codec, layout, items, staging, err)
     return [int(arr[i].nbytes) for i in range(len(items))]
@@ -450,7 +498,7 @@ def decode_into(
     arr, keep = _items(
         items, [int(i.in_offset) for i in items], [int(i.nbytes) for i in items], tags
     )
-    cache = _cache_struct(kv_cache, layout)
+    cache, tables = _cache_struct(kv_cache, layout)
     err = _Error()
     rc = lib.tw_decode(
         ctypes.byref(cstruct),
@@ -461,7 +509,7 @@ def decode_into(
         source.numel(),
         ctypes.byref(err),
     )
-    del keep
+    del keep, tables
     if rc:
         _raise_decode(codec, layer, layout, items, source, err)
 

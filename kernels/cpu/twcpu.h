@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define TW_ABI_VERSION 2
+#define TW_ABI_VERSION 3
 
 /* stream kinds (StreamSpec.kind) */
 enum { TW_RAW = 0, TW_FP8 = 1, TW_LLOYD = 2 };
@@ -62,6 +62,13 @@ typedef struct {
     int64_t num_blocks, block_size, num_heads;
     int32_t dtype;            /* TW_BF16 / TW_F16 */
     int32_t _pad;
+    /* Optional offset tables (elements), replacing the slot / dim stride where not NULL: vLLM
+     * CPU attention's AMX layout packs a block's keys and values in VNNI pairs for AMX tiles, so
+     * a token's place in the block (block_size entries) and a dim's place in the row (head_dim
+     * entries) are no arithmetic progressions. kernels/cpu_attn_layout.py builds them from the
+     * probed layout and checks them against the block's extent. */
+    const int64_t *k_slot_off, *k_dim_off;
+    const int64_t *v_slot_off, *v_dim_off;
 } tw_cache;
 
 typedef struct {

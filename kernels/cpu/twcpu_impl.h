@@ -405,22 +405,39 @@ TW_AI void make_tables(const tw_stream_ctx *s, tables *tb) {
 TW_AI const uint16_t *cache_row(const tw_stream_ctx *s, int64_t t, int64_t h) {
     const tw_cache *c = s->cache;
     const int64_t *st = s->kv ? c->v_stride : c->k_stride;
+    const int64_t *so = s->kv ? c->v_slot_off : c->k_slot_off;
     const uint16_t *base = s->kv ? c->v : c->k;
-    return base + s->blocks[t] * st[0] + s->slots[t] * st[1] + h * st[2];
+    const int64_t slot = so ? so[s->slots[t]] : s->slots[t] * st[1];
+    return base + s->blocks[t] * st[0] + slot + h * st[2];
 }
 
 TW_AI uint16_t *cache_row_mut(const tw_stream_ctx *s, int64_t t, int64_t h) {
     return (uint16_t *)cache_row(s, t, h);
 }
 
+TW_AI const int64_t *dim_table(const tw_stream_ctx *s) {
+    return s->kv ? s->cache->v_dim_off : s->cache->k_dim_off;
+}
+
 TW_AI int64_t dim_stride(const tw_stream_ctx *s) {
     return s->kv ? s->cache->v_stride[3] : s->cache->k_stride[3];
 }
 
-/* A cache row as D contiguous elements: the row itself (unit dim stride) or gathered into tmp
- * (keys stored transposed per block: the encoder then needs no scratch copy of the cache). */
+/* Whether a cache row is D contiguous elements (no dim table, unit dim stride). */
+TW_AI int row_is_contiguous(const tw_stream_ctx *s) {
+    return !dim_table(s) && dim_stride(s) == 1;
+}
+
+/* A cache row as D contiguous elements: the row itself (contiguous) or gathered into tmp through
+ * the dim stride (keys stored transposed per block) or the dim table (AMX tiles): the encoder
+ * then needs no scratch copy of the cache. */
 TW_AI const uint16_t *row_in(const tw_stream_ctx *s, int64_t t, int64_t h, uint16_t *tmp) {
     const uint16_t *p = cache_row(s, t, h);
+    const int64_t *dt = dim_table(s);
+    if (dt) {
+        for (int64_t i = 0; i < s->D; i++) tmp[i] = p[dt[i]];
+        return tmp;
+    }
     const int64_t ds = dim_stride(s);
     if (ds == 1) return p;
     for (int64_t i = 0; i < s->D; i++) tmp[i] = p[i * ds];
@@ -429,13 +446,13 @@ TW_AI const uint16_t *row_in(const tw_stream_ctx *s, int64_t t, int64_t h, uint1
 
 /* Where a decoded row is stored: the cache row itself, or tmp to be scattered by row_commit. */
 TW_AI uint16_t *row_out(const tw_stream_ctx *s, int64_t t, int64_t h, uint16_t *tmp) {
-    return dim_stride(s) == 1 ? cache_row_mut(s, t, h) : tmp;
+    return row_is_contiguous(s) ? cache_row_mut(s, t, h) : tmp;
 }
 
-/* The i-th row visited: token-major (t, h) for unit dim stride, head-major otherwise, so a
- * transposed key tile ([D, block_size] per head) stays in L1 while its tokens are visited. */
+/* The i-th row visited: token-major (t, h) for contiguous rows, head-major otherwise, so a
+ * transposed or tiled (block, head) region stays in L1 while its tokens are visited. */
 TW_AI void row_at(const tw_stream_ctx *s, int64_t i, int64_t *t, int64_t *h) {
-    if (dim_stride(s) == 1) {
+    if (row_is_contiguous(s)) {
         *t = i / s->H;
         *h = i - *t * s->H;
     } else {
@@ -445,9 +462,14 @@ TW_AI void row_at(const tw_stream_ctx *s, int64_t i, int64_t *t, int64_t *h) {
 }
 
 TW_AI void row_commit(const tw_stream_ctx *s, int64_t t, int64_t h, const uint16_t *tmp) {
-    const int64_t ds = dim_stride(s);
-    if (ds == 1) return;
+    if (row_is_contiguous(s)) return;
     uint16_t *p = cache_row_mut(s, t, h);
+    const int64_t *dt = dim_table(s);
+    if (dt) {
+        for (int64_t i = 0; i < s->D; i++) p[dt[i]] = tmp[i];
+        return;
+    }
+    const int64_t ds = dim_stride(s);
     for (int64_t i = 0; i < s->D; i++) p[i * ds] = tmp[i];
 }
 

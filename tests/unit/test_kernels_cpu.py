@@ -234,20 +234,24 @@ def test_gpu_shaped_cpu_caches_go_through_strides(kind: str) -> None:
 
 @pytest.mark.parametrize("name", ["raw", "k8v4", "tq4", "k4v3", "t-hi"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_cpu_attention_transposed_keys_are_served_in_place(name: str, dim: int) -> None:
-    """vLLM's CPU attention keeps keys as [D, block_size] per (block, head): the C path walks
-    them through the dim stride (no scratch copy) with the same bytes as the reference, and a
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_attention_layouts_are_served_in_place(name: str, dim: int, isa: str) -> None:
+    """vLLM's CPU attention keeps keys as [D, block_size] per (block, head) (``vec``) or packs K
+    and V in VNNI pairs for AMX tiles (``amx``): the C path walks them through the dim stride or
+    the slot/dim offset tables (no scratch copy) with the same bytes as the reference, and a
     decode writes only the target tokens."""
-    from turbowire.connector.cpu_cache import CpuAttnKVLayout
+    from turbowire.kernels.cpu_attn_layout import probe_layout
 
     codec = Codec(preset_of(name), dim, LAYERS)
     bs, heads = 32, 3
     cache = make_cache(9, heads, bs, dim, torch.bfloat16, seed=dim)
-    base = PagedKVLayout.from_cache(cache, head_dim=dim)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(PagedKVLayout)}
-    layout = CpuAttnKVLayout(**fields, mapping="kT_v")
-    k_view, _ = layout.views(cache)
-    assert k_view.stride(-1) == bs  # really transposed
+    layout = probe_layout(torch.bfloat16, heads, bs, dim, isa).for_cache(cache)
+    if isa == "vec":
+        assert layout.path == "strided"
+        k_view, _ = layout.views(cache)
+        assert k_view.stride(-1) == bs  # really transposed
+    else:
+        assert layout.path == "tiled"
     assert cpu_dispatch.applies(codec, cache, layout, torch.zeros(8, dtype=torch.uint8))
     ids = [6, 1, 4, 8]
     second = codec.encoded_nbytes(0, 45, heads, 0) + 40
