@@ -25,13 +25,65 @@ from typing import Any
 
 import httpx
 
+from turbowire.engine_log import find_root_cause, log_tail
+
 logger = logging.getLogger(__name__)
 
 ENGINE_LOCK = Path("/tmp/tw-engine.lock")
 
 
 class EngineStartError(RuntimeError):
-    """A process did not become healthy; the message carries the tail of its log."""
+    """A process did not become healthy.
+
+    The message leads with the root cause found in its log (vLLM's last lines only say "see root
+    cause above") and the log's path, then a short tail for context. One class for the demo, the
+    e2e tests and the e2e benchmark (``turbowire.bench_e2e.engines`` re-exports it).
+    """
+
+    def __init__(
+        self,
+        label: str,
+        reason: str,
+        *,
+        log_path: Path | None = None,
+        root_cause: str | None = None,
+        tail: str = "",
+    ) -> None:
+        self.label = label  # "prefill engine", "proxy", ...
+        self.reason = reason  # "exited with code 1", "not healthy after 600 s"
+        self.log_path = log_path
+        self.root_cause = root_cause
+        self.tail = tail
+        message = self.summary()
+        if tail:
+            message += f"\nlast {len(tail.splitlines())} lines of the log:\n{tail}"
+        super().__init__(message)
+
+    @classmethod
+    def from_log(
+        cls, label: str, reason: str, log_path: Path, tail_lines: int = 15
+    ) -> EngineStartError:
+        """Read ``log_path`` for the root cause and the tail (a longer tail when no cause)."""
+        try:
+            text = log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        cause = find_root_cause(text)
+        tail = log_tail(text, tail_lines if cause else max(tail_lines, 40)) if text else "(no log)"
+        return cls(label, reason, log_path=log_path, root_cause=cause, tail=tail)
+
+    def summary(self) -> str:
+        """Cause, log path and reason, without the tail (for one-line reports and the CLI)."""
+        if self.root_cause:
+            head = f"{self.label} failed to start: {self.root_cause}"
+        else:
+            head = f"{self.label} failed to start ({self.reason}); no error line found in its log"
+        lines = [head]
+        if self.log_path is not None:
+            lines.append(f"  full log: {self.log_path}")
+        if self.root_cause:
+            lines.append(f"  ({self.reason})")
+        return "\n".join(lines)
 
 
 def free_port() -> int:
@@ -137,6 +189,11 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes]
     log_path: Path
     url: str
+    label: str = ""  # for messages: "prefill engine", "proxy"; default: name
+
+    def start_error(self, reason: str) -> EngineStartError:
+        """An EngineStartError with this process's root cause, log path and log tail."""
+        return EngineStartError.from_log(self.label or self.name, reason, self.log_path)
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -157,16 +214,14 @@ class ManagedProcess:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if not self.alive():
-                raise EngineStartError(
-                    f"{self.name} exited with {self.popen.returncode} while starting:\n{self.tail()}"
-                )
+                raise self.start_error(f"exited with code {self.popen.returncode} while starting")
             try:
                 if httpx.get(self.url + path, timeout=2.0).status_code == 200:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise EngineStartError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.tail()}")
+        raise self.start_error(f"not healthy after {timeout:.0f} s")
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the whole process group, SIGKILL it if it lingers."""
@@ -183,7 +238,9 @@ class ManagedProcess:
             self.popen.wait(timeout=5)
 
 
-def spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: str) -> ManagedProcess:
+def spawn(
+    name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: str, label: str = ""
+) -> ManagedProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
@@ -194,11 +251,13 @@ def spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: st
             cwd=str(log_dir),
         )
     logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
-    return ManagedProcess(name, popen, log_path, url)
+    return ManagedProcess(name, popen, log_path, url, label)
 
 
 def start_engine(spec: EngineSpec, log_dir: Path) -> ManagedProcess:
-    return spawn(spec.name, spec.command(), spec.environment(), log_dir, spec.url)
+    return spawn(
+        spec.name, spec.command(), spec.environment(), log_dir, spec.url, f"{spec.name} engine"
+    )
 
 
 def start_proxy(

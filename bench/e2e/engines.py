@@ -23,12 +23,9 @@ from typing import Any
 import httpx
 
 from turbowire.bench_e2e.link import EmulatedLink
+from turbowire.connector.launch import EngineStartError  # one class for every launcher
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStartError(RuntimeError):
-    """An engine or the proxy did not become healthy; the message holds its log tail."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +102,7 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    label: str = ""  # for messages: "prefill engine (tw-raw)"; default: name
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -125,28 +123,32 @@ class Proc:
             pass
 
 
-def _spawn(name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> Proc:
+def _spawn(name: str, cmd: list[str], env: dict[str, str], log_path: Path,
+           label: str = "") -> Proc:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
     logger.info("starting %s: %s", name, " ".join(cmd))
     popen = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     log.close()
-    return Proc(name, popen, log_path)
+    return Proc(name, popen, log_path, label)
 
 
 def _wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.popen.poll() is not None:
-            raise EngineStartError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+            raise EngineStartError.from_log(proc.label or proc.name,
+                                            f"exited with code {proc.popen.returncode}",
+                                            proc.log_path)
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
-    raise EngineStartError(f"{proc.name} not healthy at {url} after {timeout_s:.0f} s:\n{proc.tail()}")
+    raise EngineStartError.from_log(proc.label or proc.name,
+                                    f"not healthy at {url} after {timeout_s:.0f} s", proc.log_path)
 
 
 @dataclass
@@ -210,7 +212,8 @@ class EnginePair:
         if not prefill:
             cmd = self.link.netns_cmd(cmd)
         return _spawn(f"{role}-{self.conn.label}", cmd, env,
-                      self.workdir / f"{self.conn.label}-{role}.log")
+                      self.workdir / f"{self.conn.label}-{role}.log",
+                      label=f"{role} engine ({self.conn.label})")
 
     def start(self) -> None:
         """Start both engines (in parallel), wait until healthy, then the proxy."""
@@ -226,7 +229,8 @@ class EnginePair:
                            [sys.executable, "-m", "turbowire.cli", "proxy", "--prefill",
                             self.prefill_url, "--decode", self.decode_url, "--port",
                             str(self.proxy_port)], dict(os.environ),
-                           self.workdir / f"{self.conn.label}-proxy.log")
+                           self.workdir / f"{self.conn.label}-proxy.log",
+                           label=f"proxy ({self.conn.label})")
             self.procs.append(proxy)
             _wait_healthy(proxy, f"{self.proxy_url}/health", 60.0)
         except BaseException:

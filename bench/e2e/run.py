@@ -38,7 +38,12 @@ from typing import Any
 
 import httpx
 
-from turbowire.bench_e2e.engines import ConnectorConfig, EnginePair, EngineSettings
+from turbowire.bench_e2e.engines import (
+    ConnectorConfig,
+    EnginePair,
+    EngineSettings,
+    EngineStartError,
+)
 from turbowire.bench_e2e.events import read_events
 from turbowire.bench_e2e.link import EmulatedLink
 from turbowire.bench_e2e.model import BenchModelSpec, ensure_bench_model, make_prompt, vocab_size_of
@@ -431,6 +436,9 @@ def run_bench(plan: BenchPlan, out_dir: Path, spec: BenchModelSpec | None = None
         for conn in plan.configs:
             try:
                 run_config(link, conn, plan, settings, out_dir, out, vocab, spec.kv_bytes_per_token)
+            except EngineStartError as exc:  # the cause is in the engine's log, not our stack
+                logger.error("config %s: %s", conn.label, exc.summary())
+                out.errors.append(f"{conn.label}: {exc.summary()}")
             except Exception as exc:  # one broken config must not lose the others' results
                 logger.exception("config %s failed", conn.label)
                 out.errors.append(f"{conn.label}: {type(exc).__name__}: {str(exc)[:2000]}")

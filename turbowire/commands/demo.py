@@ -3,8 +3,34 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from turbowire.connector.launch import EngineStartError
+
+
+def print_start_error(console: Console, exc: EngineStartError) -> None:
+    """A red panel with the root cause and the log path (no Python traceback: it is ours, not
+    the engine's); the log's tail only when no cause was found."""
+    from rich.panel import Panel
+    from rich.text import Text
+
+    body = Text()
+    if exc.root_cause:
+        body.append(exc.root_cause, style="bold")
+    else:
+        body.append(f"{exc.reason}; no error line found in its log", style="bold")
+    body.append(f"\n\nfull log: {exc.log_path}" if exc.log_path else "")
+    if exc.root_cause:
+        body.append(f"\n({exc.reason})", style="dim")
+    console.print(Panel(body, title=f"{exc.label} failed to start", title_align="left",
+                        border_style="red", expand=False))
+    if not exc.root_cause and exc.tail:
+        console.print(Text(exc.tail, style="dim"))
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +62,7 @@ def register(app: typer.Typer) -> None:
 
         from turbowire.connector.codecs import known_presets
         from turbowire.connector.demo import DEFAULT_PROMPTS, run_demo
+        from turbowire.connector.launch import EngineStartError
         from turbowire.models import ensure_smollm2
 
         console = Console()
@@ -43,14 +70,18 @@ def register(app: typer.Typer) -> None:
         if preset not in presets:
             raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {presets}")
         model = ensure_smollm2()
-        run = run_demo(
-            model=model,
-            preset=preset,
-            prompts=prompt or DEFAULT_PROMPTS,
-            max_tokens=max_tokens,
-            log_dir=log_dir,
-            on_progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
-        )
+        try:
+            run = run_demo(
+                model=model,
+                preset=preset,
+                prompts=prompt or DEFAULT_PROMPTS,
+                max_tokens=max_tokens,
+                log_dir=log_dir,
+                on_progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
+            )
+        except EngineStartError as exc:  # the cause is in the engine's log, not in our stack
+            print_start_error(Console(stderr=True), exc)
+            raise typer.Exit(code=1) from None
         for i, res in enumerate(run.results, 1):
             short = res.prompt if len(res.prompt) < 90 else res.prompt[:87] + "..."
             console.print(f"\n[bold]#{i} prompt:[/bold] {short}")
