@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.logs import attach_to_vllm_logging
 from turbowire.connector.metadata import TurboWireConnectorMetadata
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class TurboWireConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        attach_to_vllm_logging()
         self.config = load_config(vllm_config)
         engine_id = vllm_config.kv_transfer_config.engine_id
         assert engine_id is not None
