@@ -13,3 +13,24 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """State which vLLM CPU attention ISA (and so which KV placement) engines get on this machine:
+    AMX hosts and others place KV differently, and CI runs on whichever it gets."""
+    from pathlib import Path
+
+    try:
+        import torch
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return
+    amx = "yes" if "amx_tile" in Path("/proc/cpuinfo").read_text() else "no"
+    terminalreporter.section("vLLM CPU attention on this machine")
+    terminalreporter.write_line(f"CPU has AMX tiles: {amx}")
+    for dtype in (torch.bfloat16, torch.float16):
+        for bs in (32, 128):
+            isa = _get_attn_isa(dtype, bs, 64)
+            terminalreporter.write_line(
+                f"engines with {str(dtype).replace('torch.', '')} KV, block size {bs}: isa {isa}"
+            )

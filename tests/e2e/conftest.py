@@ -29,7 +29,9 @@ from turbowire.connector.launch import (  # noqa: E402
 )
 
 BLOCK_SIZE = 32
+VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
 MODEL_NAME = "tiny"
+
 
 
 @pytest.fixture(scope="session")
@@ -109,10 +111,11 @@ def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
-                extra: dict | None = None) -> tuple[ProcessGroup, PDStack]:
+                extra: dict | None = None, block_size: int = BLOCK_SIZE,
+                ) -> tuple[ProcessGroup, PDStack]:
     group = ProcessGroup()
     try:
-        common = dict(kvcache_gib=1, block_size=BLOCK_SIZE, max_model_len=2048, max_num_seqs=8,
+        common = dict(kvcache_gib=1, block_size=block_size, max_model_len=2048, max_num_seqs=8,
                       max_num_batched_tokens=1024, served_model_name=MODEL_NAME)
         cfg = dict(preset=preset, staging_bytes=staging_bytes, lease_seconds=10,
                    **(extra or {}))
