@@ -8,15 +8,22 @@ dense bf16 KV they stand for); "wall" is the best of the repeats in wall-clock t
 in thread CPU time (the two differ when the machine is shared). The last table times a whole
 Llama-3-8B-like 2k-token prompt (8 layers x 8 KV heads x 128 = 33.5M elements).
 
+``--layouts`` picks how the cache is laid out, side by side in one run: ``packed`` (K|V per
+token in the last dim, unit-stride rows), and vLLM CPU attention's own placements as its
+``cpu_attn_reshape_and_cache`` writes them for an ISA (``vec``: keys transposed per block;
+``amx``: K and V in VNNI pairs for AMX tiles), probed exactly as the connector does.
+
 Run pinned to one core (engines are pinned too)::
 
     taskset -c 1 python bench/cpu_codec.py
     taskset -c 1 python bench/cpu_codec.py --head-dims 128 --presets tq4,k8v4 --markdown
+    taskset -c 1 python bench/cpu_codec.py --layouts vec,amx --block-size 128 --markdown
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import time
@@ -71,14 +78,15 @@ class Case:
 
     @classmethod
     def build(
-        cls, preset: str, dim: int, tokens: int, heads: int, block_size: int, seed: int = 0
+        cls, preset: str, dim: int, tokens: int, heads: int, block_size: int, seed: int = 0,
+        layout_name: str = "packed",
     ) -> Case:
         g = torch.Generator().manual_seed(seed)
         nb = tokens // block_size + 2
         cache = torch.randn(nb, heads, block_size, 2 * dim, generator=g)
         cache[..., 3] += 8.0  # a key outlier channel with an offset, as real keys have
         cache = cache.to(torch.bfloat16)
-        layout = PagedKVLayout.from_cache(cache)
+        layout = cache_layout(cache, dim, layout_name)
         codec = Codec(preset, dim, num_layers=8)
         ids = torch.randperm(nb, generator=g)[: (tokens + block_size - 1) // block_size].tolist()
         enc, off = [], 0
@@ -101,6 +109,15 @@ class Case:
         decode_into(self.codec, 3, dst, self.layout, self.dec, self.staging, impl=impl)
 
 
+def cache_layout(cache: torch.Tensor, dim: int, name: str) -> PagedKVLayout:
+    """``packed``: K|V per token; any other name: vLLM CPU attention's placement for that ISA."""
+    if name == "packed":
+        return PagedKVLayout.from_cache(cache)
+    from turbowire.kernels.cpu_attn_layout import cpu_attn_layout
+
+    return cpu_attn_layout(cache, dim, name)
+
+
 def encode_all(cases: list[Case]) -> None:
     for c in cases:
         c.encode("cpu")
@@ -121,35 +138,37 @@ def gbs(rate: float) -> str:
 
 def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
     rows: list[list[str]] = []
-    for dim in args.head_dims:
-        for preset in args.presets:
-            c = Case.build(preset, dim, args.tokens, args.heads, args.block_size)
-            r = Case.build(preset, dim, args.ref_tokens, args.heads, args.block_size)
-            dst_c, dst_r = torch.empty_like(c.cache), torch.empty_like(r.cache)
-            ce = best_rate(partial(c.encode, "cpu"), c.elements, args.repeats)
-            cd = best_rate(partial(c.decode, "cpu", dst_c), c.elements, args.repeats)
-            re = best_rate(partial(r.encode, "reference"), r.elements, args.ref_repeats)
-            rd = best_rate(partial(r.decode, "reference", dst_r), r.elements, args.ref_repeats)
-            rows.append(
-                [
-                    f"hd{dim}",
-                    preset,
-                    fmt(re.wall),
-                    fmt(ce.wall),
-                    fmt(ce.cpu),
-                    gbs(ce.wall),
-                    f"{ce.wall / re.wall:.0f}x",
-                    fmt(rd.wall),
-                    fmt(cd.wall),
-                    fmt(cd.cpu),
-                    gbs(cd.wall),
-                    f"{cd.wall / rd.wall:.0f}x",
-                ]
-            )
+    for dim, preset, lay in itertools.product(args.head_dims, args.presets, args.layouts):
+        c = Case.build(preset, dim, args.tokens, args.heads, args.block_size, layout_name=lay)
+        r = Case.build(preset, dim, args.ref_tokens, args.heads, args.block_size,
+                       layout_name=lay)
+        dst_c, dst_r = torch.empty_like(c.cache), torch.empty_like(r.cache)
+        ce = best_rate(partial(c.encode, "cpu"), c.elements, args.repeats)
+        cd = best_rate(partial(c.decode, "cpu", dst_c), c.elements, args.repeats)
+        re = best_rate(partial(r.encode, "reference"), r.elements, args.ref_repeats)
+        rd = best_rate(partial(r.decode, "reference", dst_r), r.elements, args.ref_repeats)
+        rows.append(
+            [
+                f"hd{dim}",
+                preset,
+                lay,
+                fmt(re.wall),
+                fmt(ce.wall),
+                fmt(ce.cpu),
+                gbs(ce.wall),
+                f"{ce.wall / re.wall:.0f}x",
+                fmt(rd.wall),
+                fmt(cd.wall),
+                fmt(cd.cpu),
+                gbs(cd.wall),
+                f"{cd.wall / rd.wall:.0f}x",
+            ]
+        )
     prompt_rows: list[list[str]] = []
-    for preset in args.prompt_presets:
+    for preset, lay in itertools.product(args.prompt_presets, args.layouts):
         cases = [
-            Case.build(preset, 128, 2048, 8, args.block_size, seed=layer) for layer in range(8)
+            Case.build(preset, 128, 2048, 8, args.block_size, seed=layer, layout_name=lay)
+            for layer in range(8)
         ]
         dsts = [torch.empty_like(c.cache) for c in cases]
         elements = sum(c.elements for c in cases)
@@ -160,6 +179,7 @@ def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
         prompt_rows.append(
             [
                 preset,
+                lay,
                 f"{elements / 1e6:.1f}M",
                 f"{wire / 1e6:.1f} MB",
                 f"{elements * 2 / wire:.2f}x",
@@ -175,6 +195,7 @@ def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
 HEAD = [
     "hd",
     "preset",
+    "layout",
     "ref enc M/s",
     "C enc M/s",
     "C enc M/s (cpu)",
@@ -188,6 +209,7 @@ HEAD = [
 ]
 PROMPT_HEAD = [
     "preset",
+    "layout",
     "KV elements",
     "wire bytes",
     "ratio",
@@ -208,6 +230,10 @@ def main() -> None:
     p.add_argument("--ref-tokens", type=int, default=512, help="tokens per layer for the reference")
     p.add_argument("--heads", type=int, default=8, help="KV heads")
     p.add_argument("--block-size", type=int, default=16, help="paged cache block size")
+    p.add_argument(
+        "--layouts", default="packed",
+        help="comma-separated cache layouts: packed, or a vLLM CPU attention ISA (vec, amx, ...)",
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--ref-repeats", type=int, default=2)
     p.add_argument(
@@ -220,14 +246,16 @@ def main() -> None:
     args.presets = [s for s in args.presets.split(",") if s]
     args.prompt_presets = [s for s in args.prompt_presets.split(",") if s]
     args.head_dims = [int(d) for d in args.head_dims.split(",") if d]
+    args.layouts = [s for s in args.layouts.split(",") if s]
     torch.set_num_threads(1)
     if not cpu_dispatch.available():
         raise SystemExit("the C codec is not built: pip install --no-build-isolation -e .")
     console = Console(width=200)
+    amx = "yes" if "amx_tile" in open("/proc/cpuinfo").read() else "no"
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"affinity {affinity}, ISA {cpu_dispatch.isa()}, "
+        f"affinity {affinity}, ISA {cpu_dispatch.isa()}, AMX {amx}, block size {args.block_size}, "
         f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}"
     )
     console.print(f"[bold]CPU codec[/bold]  {machine}")
