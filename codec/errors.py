@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from turbowire.errors import TurboWireError
 
-class CodecError(ValueError):
+
+class CodecError(TurboWireError, ValueError):
     """Base class: the codec refused its input."""
+
+    reason = "format"
 
 
 class UnknownPresetError(CodecError):
@@ -25,6 +29,8 @@ class TruncatedPayloadError(FormatError):
 
 class ChecksumError(FormatError):
     """The header or body checksum does not match: the bytes were corrupted in flight or at rest."""
+
+    reason = "checksum"
 
 
 class IncompatiblePayloadError(CodecError):

@@ -12,14 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from turbowire.connector.geometry import KVGeometry
 
+from turbowire.errors import TurboWireError
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 FORMAT_VERSION = 1  # turbowire transfer protocol (slot layout, params); the codec has its own
 
 
-class IncompatiblePeerError(RuntimeError):
+class IncompatiblePeerError(TurboWireError, RuntimeError):
     """The peer engine's KV geometry, codec or parallel config differs from ours."""
+
+    reason = "incompatible"
 
     def __init__(
         self,

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from turbowire.errors import TurboWireError
+
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -22,7 +24,7 @@ SLOT_ALIGN = 64  # bytes; keeps every chunk cache-line aligned inside the stagin
 _INT_RE = re.compile(r"\d+")
 
 
-class GeometryError(ValueError):
+class GeometryError(TurboWireError, ValueError):
     """The model's KV cache cannot be transferred by this connector as configured."""
 
 

@@ -20,12 +20,16 @@ from typing import Any
 
 from turbowire.connector.geometry import blocks_for_tokens
 
+from turbowire.errors import TurboWireError
+
 MAX_TOKENS = 1 << 24
 MAX_BLOCKS = 1 << 20
 
 
-class TransferParamsError(ValueError):
+class TransferParamsError(TurboWireError, ValueError):
     """Malformed ``kv_transfer_params`` from a proxy or peer."""
+
+    reason = "bad_params"
 
 
 def prompt_digest(token_ids: Sequence[int], num_tokens: int) -> str:

@@ -18,21 +18,12 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from turbowire.connector.codecs import codec_format_version, make_codec
-from turbowire.connector.compat import CompatibilityRecord, model_identity, speculative_factors
 from turbowire.connector.config import TurboWireConfig
-from turbowire.connector.geometry import (
-    KVGeometry,
-    StagingLayout,
-    block_tag,
-    blocks_for_tokens,
-    layer_sort_key,
-    tokens_in_block,
-)
+from turbowire.connector.geometry import block_tag, blocks_for_tokens, tokens_in_block
 from turbowire.connector.metadata import (
     LoadBlock,
     LoadReport,
@@ -52,6 +43,7 @@ from turbowire.connector.params import (
     prefill_result,
     prompt_digest,
 )
+from turbowire.connector.spec import EngineSetup
 from turbowire.connector.staging import StagingFullError, StagingPool
 from turbowire.connector.stats import TurboWireConnectorStats
 
@@ -64,7 +56,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT = "nixl"
 MAINTENANCE_PERIOD_S = 0.5
 
 
@@ -101,26 +92,14 @@ class TurboWireScheduler:
         self.vllm_config = vllm_config
         self.config = config
         self.engine_id = engine_id
-        ktc = vllm_config.kv_transfer_config
-        self.is_producer = bool(ktc.is_kv_producer)
-        self.is_consumer = bool(ktc.is_kv_consumer)
-        self.geometry = KVGeometry.from_kv_cache_config(
-            kv_cache_config, draft_layer_predicate(vllm_config)
-        )
+        setup = EngineSetup.build(vllm_config, kv_cache_config, config)
+        self.is_producer, self.is_consumer = setup.is_producer, setup.is_consumer
+        self.geometry = setup.geometry
         self.block_size = self.geometry.block_size
-        self.codec = make_codec(config.preset, self.geometry)
-        self.layout = StagingLayout.build(
-            self.geometry, self.codec.encoded_nbytes, config.staging_bytes
-        )
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.record = CompatibilityRecord.build(
-            model=model_identity(vllm_config),
-            geometry=self.geometry,
-            preset=config.preset,
-            codec_format_version=codec_format_version(),
-            tp_size=self.tp_size,
-            speculative_config=speculative_factors(vllm_config),
-        )
+        self.codec = setup.codec
+        self.layout = setup.layout
+        self.tp_size = setup.tp_size
+        self.record = setup.record
         self.side_channel_port = (
             config.side_channel_port + vllm_config.parallel_config.data_parallel_index
         )
@@ -577,13 +556,3 @@ class _GaugedLeases:
 
     def snapshot(self) -> Any:
         return self._owner.pool.snapshot()
-
-
-def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:
-    """Which KV layers belong to a draft model (EAGLE/MTP/draft-model speculative decoding):
-    vLLM numbers them after the target model's layers."""
-    spec = vllm_config.speculative_config
-    if spec is None or getattr(spec, "method", None) in (None, "ngram", "suffix"):
-        return lambda name: False
-    target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
-    return lambda name: layer_sort_key(name)[0] >= target_layers

@@ -16,11 +16,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from turbowire.errors import TurboWireError
+
 logger = logging.getLogger(__name__)
 
 
-class StagingFullError(RuntimeError):
+class StagingFullError(TurboWireError, RuntimeError):
     """Not enough free staging slots: back-pressure, the caller falls back."""
+
+    reason = "staging_full"
 
 
 @dataclass

@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from turbowire.errors import TurboWireError
+
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -107,7 +109,7 @@ _SEP = "|"
 _LOCK = threading.RLock()
 
 
-class StatsLabelError(ValueError):
+class StatsLabelError(TurboWireError, ValueError):
     """A label value or metric name that would break the key encoding or explode cardinality."""
 
 

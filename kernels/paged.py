@@ -15,14 +15,18 @@ from typing import Literal, Sequence
 
 import torch
 
+from turbowire.errors import TurboWireError
+
 CacheKind = Literal["cpu_packed", "kv_first", "block_first"]
 
 
-class BlockIndexError(IndexError):
+class BlockIndexError(TurboWireError, IndexError):
     """A block id or token range (possibly sent by a peer) falls outside the cache or request."""
 
+    reason = "bounds"
 
-class CacheLayoutError(ValueError):
+
+class CacheLayoutError(TurboWireError, ValueError):
     """The tensor does not look like a vLLM paged KV cache this code understands."""
 
 

@@ -11,7 +11,6 @@ import threading
 from dataclasses import dataclass
 
 import grpc
-
 from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
@@ -22,15 +21,21 @@ from turbowire.connector.sidechannel.convert import (
 )
 from turbowire.connector.sidechannel.server import AUTH_HEADER, FIELD_TRAILER, MAX_MESSAGE_BYTES
 
+from turbowire.errors import TurboWireError
+
 logger = logging.getLogger(__name__)
 
 
-class SideChannelError(RuntimeError):
+class SideChannelError(TurboWireError, RuntimeError):
     """A side-channel call failed."""
+
+    reason = "handshake"
 
 
 class PeerUnreachableError(SideChannelError):
     """The peer's side channel did not answer (down, wrong host/port, timeout)."""
+
+    reason = "peer_unreachable"
 
 
 class SideChannelAuthError(SideChannelError):

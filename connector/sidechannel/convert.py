@@ -7,12 +7,16 @@ from dataclasses import dataclass
 from turbowire.connector.compat import CompatibilityRecord
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 
+from turbowire.errors import TurboWireError
+
 MAX_LAYERS = 4096
 MAX_AGENT_METADATA = 16 << 20
 
 
-class SideChannelProtocolError(ValueError):
+class SideChannelProtocolError(TurboWireError, ValueError):
     """A side-channel message is malformed (sizes or fields out of range)."""
+
+    reason = "handshake"
 
 
 def record_to_proto(record: CompatibilityRecord) -> pb.CompatibilityRecord:

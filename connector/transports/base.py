@@ -7,9 +7,13 @@ from typing import Protocol
 
 import numpy as np
 
+from turbowire.errors import TurboWireError
 
-class TransportError(RuntimeError):
+
+class TransportError(TurboWireError, RuntimeError):
     """A transfer could not be posted or finished in error."""
+
+    reason = "transport"
 
 
 class TransferState(enum.Enum):
@@ -32,6 +36,7 @@ class Transport(Protocol):
     """Moves byte ranges between registered memory of two engines."""
 
     name: str
+    agent_name: str  # this end's identity, advertised to peers in the handshake
 
     def register(self, tensor: object) -> None: ...
 

@@ -60,7 +60,7 @@ def test_engine_logs_state_the_cpu_attention_layout(stack: PDStack):
 
     for engine in (stack.prefill, stack.decode):
         text = engine.log_path.read_text(errors="replace")
-        line = re.search(r"INFO .*\[worker\.py:\d+\] vLLM CPU attention isa (\w+) .*block size "
+        line = re.search(r"INFO .*\[\w+\.py:\d+\] vLLM CPU attention isa (\w+) .*block size "
                          rf"{BS}.*turbowire serves it with (.*)", text)
         assert line, f"no layout line in {engine.log_path}"
         assert line.group(1) in ("amx", "vec", "vec16", "neon", "rvv", "vxe", "vsx")

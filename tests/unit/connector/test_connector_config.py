@@ -92,7 +92,7 @@ def test_pipeline_and_progress_defaults_and_overrides():
 
 @pytest.mark.parametrize("layers,groups", [(1, 8), (8, 8), (30, 8), (32, 3), (5, 1)])
 def test_layer_groups_cover_every_layer_once_in_order(layers, groups):
-    from turbowire.connector.worker import layer_groups
+    from turbowire.connector.loader import layer_groups
 
     split = layer_groups(layers, groups)
     assert len(split) == min(layers, groups)

@@ -1,0 +1,487 @@
+"""The decode side's load state machine: handshake, claim, pipelined READs, decode, release.
+
+Each load handshakes with the prefill engine once (cached per peer, in a thread so the engine
+loop never blocks on the network), READs exactly the chunk bytes of the needed (block, layer)
+pairs into the receive buffer, one READ per group of layers (``decode_pipeline_groups``, two in
+flight), claims the prefill lease while they move, and decodes each group as soon as it has
+landed (nothing is decoded before the claim confirms the lease) while the later groups are still
+on the wire; then it tells the prefill engine to release the lease. Any failure lands in the
+failed set with its metric reason; a READ that may still be writing when its load fails keeps
+its receive range quarantined.
+
+Everything it talks to is injected (transport, side-channel clients, executor, the decode of a
+layer group into the paged cache), so a fake transport can unit-test it
+(tests/unit/connector/test_loader.py), as vLLM tests its NIXL worker with a fake wrapper.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.geometry import KVGeometry, StagingLayout
+from turbowire.connector.metadata import LoadReport, LoadRequest, PeerAddress
+from turbowire.connector.spec import TRANSPORT
+from turbowire.connector.staging import ByteRanges
+from turbowire.connector.stats import TurboWireConnectorStats
+from turbowire.connector.transports.base import Transfer, TransferState, Transport, TransportError
+
+from turbowire.errors import TurboWireError, failure_reason
+
+if TYPE_CHECKING:
+    from turbowire.connector.compat import CompatibilityRecord
+    from turbowire.connector.sidechannel.client import PeerInfo
+
+logger = logging.getLogger(__name__)
+
+# Layer-group READs of one load on the wire at once: two keep the link busy while the group
+# that landed is decoded, and the groups land one after another instead of all at the end.
+READS_IN_FLIGHT = 2
+
+
+class LoadFailed(TurboWireError):
+    """A load failed; ``reason`` is the metric label (timeout, lease_expired, bounds, ...)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # type: ignore[misc]  # per instance: one class, many reasons
+
+
+@dataclass
+class PeerState:
+    info: PeerInfo
+    agent: str
+    handshake_seconds: float
+
+
+@dataclass
+class LoadJob:
+    load: LoadRequest
+    created: float = field(default_factory=time.monotonic)
+    recv_offset: int | None = None
+    recv_nbytes: int = 0
+    chunk_offsets: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    groups: list[range] = field(default_factory=list)  # layers of each READ
+    xfers: list[Transfer] = field(default_factory=list)  # posted READs, in group order
+    group_descs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    peer_agent: str = ""
+    decoded: list[bool] = field(default_factory=list)
+    transferred_at: float | None = None  # when the last READ was seen done
+    decode_seconds: float = 0.0
+    wait_seconds: float = 0.0  # queued -> READs posted (handshake, receive buffer)
+    posted: float = 0.0
+    handshake_seconds: float = 0.0
+    claim: Future | None = None
+    claimed: bool = False
+
+
+def layer_groups(num_layers: int, groups: int) -> list[range]:
+    """Split layers 0..num_layers-1 into at most ``groups`` contiguous, near-equal ranges."""
+    groups = max(1, min(groups, num_layers))
+    base, extra = divmod(num_layers, groups)
+    out: list[range] = []
+    start = 0
+    for g in range(groups):
+        size = base + (1 if g < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+
+DecodeGroup = Callable[[LoadRequest, range, int, dict[tuple[int, int], tuple[int, int]]], None]
+"""decode(load, layers, recv_offset, chunk_offsets): verify and decode the chunks of ``layers``
+(landed at ``recv_offset + chunk_offsets[(block, layer)]``) into the paged cache, synchronously."""
+
+
+@dataclass(frozen=True)
+class LocalEnd:
+    """This engine's side of a load: who it is and where the received bytes land."""
+
+    engine_id: str
+    tp_rank: int
+    record: CompatibilityRecord
+    mem_type: str  # "DRAM" / "VRAM": both ends must agree
+    recv_base: int  # address of the receive buffer registered with the transport
+    recv_device: int
+    num_local_blocks: int
+    dense_bytes_per_token: int
+
+
+class KVLoader:
+    """Loads requests' KV from prefill engines; driven by the worker's per-step calls."""
+
+    def __init__(
+        self,
+        config: TurboWireConfig,
+        geometry: KVGeometry,
+        layout: StagingLayout,
+        chunk_nbytes: Callable[[int, int, int], int],
+        local: LocalEnd,
+        transport: Transport,
+        clients: Any,
+        recv_ranges: ByteRanges,
+        decode: DecodeGroup,
+        executor: Executor,
+        stats: TurboWireConnectorStats,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.layout = layout
+        self._chunk_nbytes = chunk_nbytes
+        self.engine_id = local.engine_id
+        self.tp_rank = local.tp_rank
+        self.record = local.record
+        self.mem_type = local.mem_type
+        self._recv_base = local.recv_base
+        self._recv_device = local.recv_device
+        self._num_local_blocks = local.num_local_blocks
+        self._dense_bytes_per_token = local.dense_bytes_per_token
+        self._transport = transport
+        self._clients = clients
+        self._recv_ranges = recv_ranges
+        self._decode = decode
+        self._executor = executor
+        self.stats = stats
+        self._peers: dict[tuple[str, str, int], PeerState] = {}
+        self._handshakes: dict[tuple[str, str, int], tuple[Future, float]] = {}
+        self._jobs: list[LoadJob] = []
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self._reports: dict[str, LoadReport] = {}
+        self.quarantined_bytes = 0
+
+    @property
+    def pending(self) -> int:
+        """Loads not finished yet."""
+        return len(self._jobs)
+
+    def take_reports(self) -> dict[str, LoadReport]:
+        """Per-request reports of the loads that ended since the last call."""
+        reports, self._reports = self._reports, {}
+        return reports
+
+    def start(self, loads: list[LoadRequest]) -> None:
+        """Queue new loads (and lease releases) and move every load forward."""
+        for load in loads:
+            if load.release_only:
+                self._release_async(load)
+            else:
+                self._jobs.append(LoadJob(load))
+        self._progress()
+
+    def results(self) -> tuple[set[str], set[str]]:
+        """(finished incl. failed, failed) since the last call."""
+        self._progress()
+        finished, failed = self._finished | self._failed, self._failed
+        self._finished, self._failed = set(), set()
+        return finished, failed
+
+
+    def _progress(self) -> None:
+        if not self._jobs:
+            return
+        now = time.monotonic()
+        still: list[LoadJob] = []
+        for job in self._jobs:
+            try:
+                if self._advance(job, now):
+                    continue  # finished
+            except LoadFailed as exc:
+                self._fail(job, exc.reason, str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - every failure must reach failed_recving
+                reason = failure_reason(exc)
+                self._fail(job, reason, f"{type(exc).__name__}: {exc}")
+                continue
+            still.append(job)
+        self._jobs = still
+
+    def _advance(self, job: LoadJob, now: float) -> bool:
+        """Move a job forward; True when it completed successfully."""
+        if now - job.created > self.config.transfer_timeout_seconds:
+            raise LoadFailed(
+                "timeout",
+                f"load did not finish within transfer_timeout_seconds="
+                f"{self.config.transfer_timeout_seconds}",
+            )
+        if not job.xfers:
+            peer = self._peer_for(job)
+            if peer is None:
+                return False
+            self._claimed(job)  # the claim's round trip runs while the READs move
+            if not self._post(job, peer):
+                return False
+        if not self._claimed(job):
+            return False  # nothing is decoded before the lease is confirmed
+        # decode the groups that have landed, in order; the next READ goes out before a group is
+        # decoded, so the link stays busy while the CPU/GPU decodes
+        for g in range(len(job.xfers)):
+            if job.decoded[g]:
+                continue
+            state = job.xfers[g].state()
+            if state is TransferState.PENDING:
+                break
+            if state is TransferState.FAILED:
+                raise LoadFailed("transport", f"NIXL READ of layer group {g} finished in error")
+            job.xfers[g].release()
+            job.decoded[g] = True  # even if decoding raises: the handle is released
+            self._post_more(job)
+            job.decode_seconds += self._decode_group(job, job.groups[g])
+        if len(job.xfers) < len(job.groups) or not all(job.decoded):
+            return False
+        if job.transferred_at is None:
+            job.transferred_at = time.perf_counter()
+        transfer_seconds = job.transferred_at - job.posted
+        self._release_async(job.load)
+        self._free_recv(job)
+        self._complete(job, transfer_seconds, job.decode_seconds)
+        return True
+
+    def _peer_for(self, job: LoadJob) -> PeerState | None:
+        peer = job.load.peer
+        state = self._peers.get(peer.key)
+        if state is not None:
+            return state
+        pending = self._handshakes.get(peer.key)
+        if pending is None:
+            future = self._executor.submit(self._handshake_rpc, peer)
+            self._handshakes[peer.key] = (future, time.perf_counter())
+            return None
+        future, started = pending
+        if not future.done():
+            return None
+        del self._handshakes[peer.key]
+        info = future.result()  # raises the handshake's error for this job (retried next job)
+        self._check_peer_geometry(info, peer)
+        agent = self._transport.add_peer(info.staging.agent_metadata)  # main thread only
+        elapsed = time.perf_counter() - started
+        state = PeerState(info, agent, elapsed)
+        self._peers[peer.key] = state
+        self.stats.observe("handshake_seconds", elapsed, transport=TRANSPORT, preset=self.config.preset)
+        job.handshake_seconds = elapsed
+        logger.info(
+            "handshake with prefill engine %s at %s:%d done in %.1f ms",
+            peer.engine_id, peer.host, peer.port, elapsed * 1e3,
+        )
+        return state
+
+    def _claimed(self, job: LoadJob) -> bool:
+        """Extend the prefill lease (one heartbeat round trip, sent when the READs are posted):
+        a slot is only decoded once its lease is known to have held, so an expired (possibly
+        reused) slot is never decoded. Bytes read from a slot reused meanwhile would also fail
+        the chunk tag or checksum."""
+        if job.claimed:
+            return True
+        if job.claim is None:
+            load = job.load
+            client = self._clients.get(load.peer.host, load.peer.port)
+            job.claim = self._executor.submit(
+                client.heartbeat, [load.remote_request_id], self.engine_id
+            )
+            return False
+        if not job.claim.done():
+            return False
+        reply = job.claim.result()
+        if job.load.remote_request_id in reply.unknown:
+            raise LoadFailed(
+                "lease_expired",
+                f"the prefill engine no longer holds request {job.load.remote_request_id} "
+                "(lease expired before the decode engine got to it; raise lease_seconds)",
+            )
+        job.claimed = True
+        return True
+
+    def _handshake_rpc(self, peer: PeerAddress) -> PeerInfo:
+        """Network part of the handshake (thread pool; no NIXL calls here)."""
+        client = self._clients.get(peer.host, peer.port)
+        return client.handshake(self.record, self.engine_id, self.tp_rank)
+
+    def _check_peer_geometry(self, info: PeerInfo, peer: PeerAddress) -> None:
+        from turbowire.connector.compat import IncompatiblePeerError
+
+        if info.engine_id != peer.engine_id:
+            raise IncompatiblePeerError(
+                "engine_id", peer.engine_id, info.engine_id,
+                message=f"{peer.host}:{peer.port} now serves engine {info.engine_id}, not "
+                f"{peer.engine_id} (restarted?): its staged KV is gone",
+            )
+        staging = info.staging
+        if staging.mem_type != self.mem_type:
+            raise LoadFailed("incompatible", f"peer staging is {staging.mem_type}, ours {self.mem_type}")
+        if len(staging.layer_offsets) != self.geometry.num_layers:
+            raise LoadFailed("incompatible", "peer staging has a different layer count")
+        for layer, off in enumerate(staging.layer_offsets):
+            if off + self.layout.full_chunk_bytes[layer] > staging.slot_bytes:
+                raise LoadFailed("bounds", f"peer slot too small for layer {layer}")
+
+    def _post(self, job: LoadJob, peer: PeerState) -> bool:
+        staging = peer.info.staging
+        load = job.load
+        slots = [b.slot for b in load.blocks]
+        bad = [s for s in slots if not 0 <= s < staging.num_slots]
+        if bad:
+            raise LoadFailed("bounds", f"staging slots {bad[:5]} outside the peer's {staging.num_slots}")
+        bad_local = [b for b in load.block_ids if not 0 <= b < self._num_local_blocks]
+        if bad_local:
+            raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
+        for block in load.blocks:
+            if not 0 < block.num_tokens <= self.geometry.block_size:
+                raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
+        groups = layer_groups(self.geometry.num_layers, self.config.decode_pipeline_groups)
+        offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        local_rows: list[list[tuple[int, int]]] = []
+        remote_rows: list[list[tuple[int, int, int]]] = []
+        cursor = 0
+        for layers in groups:  # each group's chunks are contiguous in the receive range
+            local_rows.append([])
+            remote_rows.append([])
+            for layer in layers:
+                for bi, block in enumerate(load.blocks):
+                    size = self._chunk_nbytes(layer, block.num_tokens, block.index)
+                    offsets[(bi, layer)] = (cursor, size)
+                    remote_rows[-1].append(
+                        (
+                            staging.base_addr
+                            + block.slot * staging.slot_bytes
+                            + staging.layer_offsets[layer],
+                            size,
+                            staging.device_id,
+                        )
+                    )
+                    local_rows[-1].append((cursor, size))
+                    cursor += size
+        if cursor > self._recv_ranges.capacity:
+            raise LoadFailed(
+                "recv_buffer_too_small",
+                f"request needs {cursor} B of receive buffer, recv_bytes is "
+                f"{self._recv_ranges.capacity}: raise recv_bytes",
+            )
+        start = self._recv_ranges.allocate(cursor)
+        if start is None:
+            return False  # wait for other loads to free the buffer
+        job.recv_offset, job.recv_nbytes, job.chunk_offsets = start, cursor, offsets
+        job.groups = groups
+        base = self._recv_base + start
+        device_id = self._recv_device
+        job.group_descs = [
+            (
+                np.array([(base + off, size, device_id) for off, size in local_group], np.uint64),
+                np.array(remote_group, dtype=np.uint64),
+            )
+            for local_group, remote_group in zip(local_rows, remote_rows, strict=True)
+        ]
+        job.peer_agent = peer.agent
+        job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
+        job.wait_seconds = time.monotonic() - job.created
+        self._post_more(job)
+        return True
+
+    def _post_more(self, job: LoadJob) -> None:
+        """Keep READS_IN_FLIGHT layer groups on the wire. Posting every group at once made them
+        share the link and land together at the end, leaving nothing to overlap the decode with."""
+        in_flight = sum(1 for g in range(len(job.xfers)) if not job.decoded[g])
+        while in_flight < READS_IN_FLIGHT and len(job.xfers) < len(job.groups):
+            local, remote = job.group_descs[len(job.xfers)]
+            try:
+                xfer = self._transport.read(job.peer_agent, local, remote, self.mem_type)
+            except TransportError:
+                if not job.xfers:
+                    self._free_recv(job)
+                raise  # READs already posted may still land: _fail quarantines the range
+            job.xfers.append(xfer)
+            job.decoded.append(False)
+            in_flight += 1
+
+
+    def _decode_group(self, job: LoadJob, layers: range) -> float:
+        """Verify and decode one landed layer group; its wall time."""
+        assert job.recv_offset is not None
+        t0 = time.perf_counter()
+        self._decode(job.load, layers, job.recv_offset, job.chunk_offsets)
+        return time.perf_counter() - t0
+
+    def _complete(self, job: LoadJob, transfer_seconds: float, decode_seconds: float) -> None:
+        load = job.load
+        tokens = sum(b.num_tokens for b in load.blocks)
+        dense = tokens * self._dense_bytes_per_token
+        wire = job.recv_nbytes
+        self.stats.record_recv(TRANSPORT, load.preset, dense, wire)
+        self.stats.observe("transfer_seconds", transfer_seconds, transport=TRANSPORT, preset=load.preset)
+        self.stats.observe("decode_seconds", decode_seconds, transport=TRANSPORT, preset=load.preset)
+        self._finished.add(load.request_id)
+        self._reports[load.request_id] = LoadReport(
+            tokens=tokens,
+            dense_bytes=dense,
+            wire_bytes=wire,
+            transfer_seconds=transfer_seconds,
+            decode_seconds=decode_seconds,
+            handshake_seconds=job.handshake_seconds,
+            wait_seconds=job.wait_seconds,
+        )
+        logger.debug(
+            "loaded %s: %d tokens, %d wire B (%.2fx), wait %.1f ms, transfer %.1f ms, "
+            "decode %.1f ms", load.request_id, tokens, wire, dense / max(wire, 1),
+            job.wait_seconds * 1e3, transfer_seconds * 1e3, decode_seconds * 1e3,
+        )
+
+    def _fail(self, job: LoadJob, reason: str, message: str) -> None:
+        load = job.load
+        logger.error(
+            "KV load of request %s from engine %s failed (%s): %s",
+            load.request_id, load.peer.engine_id, reason, message,
+        )
+        self.stats.record_failure(reason)
+        in_flight = [
+            x for g, x in enumerate(job.xfers)
+            if not job.decoded[g] and x.state() is TransferState.PENDING
+        ]
+        if in_flight and job.recv_offset is not None:
+            # A READ may still write into the receive range: never reuse it.
+            self.quarantined_bytes += job.recv_nbytes
+            job.recv_offset = None
+        else:
+            self._free_recv(job)
+        for g, x in enumerate(job.xfers):
+            if not job.decoded[g] and x.state() is not TransferState.PENDING:
+                x.release()
+                job.decoded[g] = True
+        self._release_async(load)
+        self._failed.add(load.request_id)
+        self._reports[load.request_id] = LoadReport(failed=reason)
+
+    def _free_recv(self, job: LoadJob) -> None:
+        if job.recv_offset is not None and self._recv_ranges is not None:
+            self._recv_ranges.free(job.recv_offset, job.recv_nbytes)
+            job.recv_offset = None
+
+    def _release_async(self, load: LoadRequest) -> None:
+        """Tell the prefill engine it may free the staged slots (fire and forget, logged)."""
+        if self._clients is None:
+            return
+
+        def call() -> None:
+            try:
+                reply = self._clients.get(load.peer.host, load.peer.port).release(
+                    [load.remote_request_id], self.engine_id, self.tp_rank
+                )
+                if reply.unknown:
+                    logger.warning(
+                        "prefill engine %s had no lease for %s any more (expired?)",
+                        load.peer.engine_id, load.remote_request_id,
+                    )
+            except Exception as exc:  # noqa: BLE001 - the lease then expires on its own
+                logger.warning("lease release for %s failed: %s", load.remote_request_id, exc)
+                self.stats.record_failure("peer_unreachable")
+
+        self._executor.submit(call)
+
+    def close(self) -> None:
+        """Drop pending handshakes (the executor and clients belong to the worker)."""
+        self._handshakes.clear()

@@ -1,0 +1,269 @@
+"""The decode side's load state machine with a fake transport and fake side-channel clients:
+the order of handshake, claim, READs and decode; timeouts; a refused claim; a failed group; a
+receive range quarantined while a READ may still write; late completions; failure reasons."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from turbowire.codec import Codec
+from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
+from turbowire.connector.loader import KVLoader, LocalEnd
+from turbowire.connector.metadata import LoadBlock, LoadRequest, PeerAddress
+from turbowire.connector.sidechannel.client import PeerInfo
+from turbowire.connector.sidechannel.convert import StagingInfo
+from turbowire.connector.staging import ByteRanges
+from turbowire.connector.stats import TurboWireConnectorStats, iter_counters
+from turbowire.connector.transports.base import TransferState, TransportError
+from turbowire.kernels import BlockIndexError
+
+BS, LAYERS, HEADS, DIM = 16, 4, 2, 64
+PEER = PeerAddress("prefill-engine", "127.0.0.1", 5700, 1)
+
+
+class FakeTransfer:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.current = TransferState.PENDING
+        self.released = False
+
+    def state(self) -> TransferState:
+        return self.current
+
+    def release(self) -> None:
+        self.released = True
+
+
+@dataclass
+class FakeTransport:
+    name: str = "fake"
+    agent_name: str = "decode-agent"
+    reads: list[FakeTransfer] = field(default_factory=list)
+    fail_read: bool = False
+
+    def add_peer(self, metadata: bytes) -> str:
+        return "prefill-agent"
+
+    def read(self, peer, local, remote, mem_type, notif=b""):
+        assert peer == "prefill-agent" and len(local) == len(remote)
+        if self.fail_read:
+            raise TransportError("the peer vanished")
+        x = FakeTransfer(int(local[:, 1].sum()))
+        self.reads.append(x)
+        return x
+
+
+class FakeClient:
+    def __init__(self, layout: StagingLayout, record) -> None:
+        self.layout, self.record = layout, record
+        self.expired: set[str] = set()
+        self.released: list[str] = []
+        self.calls: list[str] = []
+
+    def handshake(self, record, engine_id, tp_rank):
+        self.calls.append("handshake")
+        staging = StagingInfo("prefill-agent", b"md", 1 << 20, self.layout.slot_bytes,
+                              self.layout.num_slots, tuple(self.layout.layer_offsets), 0, "DRAM")
+        return PeerInfo(PEER.engine_id, self.record, staging, 30.0)
+
+    def heartbeat(self, ids, engine_id=""):
+        self.calls.append("heartbeat")
+        return SimpleNamespace(unknown=[i for i in ids if i in self.expired])
+
+    def release(self, ids, engine_id="", tp_rank=0):
+        self.calls.append("release")
+        self.released.extend(ids)
+        return SimpleNamespace(unknown=[])
+
+
+class InlineExecutor:
+    """Runs each call at once: the state machine then advances deterministically."""
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            f.set_exception(exc)
+        return f
+
+
+@dataclass
+class Rig:
+    loader: KVLoader
+    transport: FakeTransport
+    client: FakeClient
+    ranges: ByteRanges
+    decoded: list[tuple[str, tuple[int, ...]]]
+    stats: TurboWireConnectorStats
+
+    def failures(self) -> dict[str, float]:
+        return {lbl["reason"]: v for n, lbl, v in iter_counters(self.stats.data) if n == "failures"}
+
+
+def rig(decode_error: BaseException | None = None, recv_bytes: int = 1 << 20, **cfg) -> Rig:
+    config = TurboWireConfig.from_extra_config(
+        {"preset": "raw", "decode_pipeline_groups": 4, **cfg}, environ={}
+    )
+    geo = KVGeometry(tuple(LayerSpec(f"l.{i}", HEADS, DIM) for i in range(LAYERS)), BS, "bfloat16")
+    codec = Codec("raw", DIM, LAYERS)
+    layout = StagingLayout.build(geo, codec.encoded_nbytes, 1 << 20)
+    client = FakeClient(layout, None)
+    transport = FakeTransport()
+    ranges = ByteRanges(recv_bytes)
+    decoded: list[tuple[str, tuple[int, ...]]] = []
+
+    def decode(load, layers, recv_offset, chunk_offsets):
+        if decode_error is not None:
+            raise decode_error
+        decoded.append((load.request_id, tuple(layers)))
+
+    def nbytes(layer: int, tokens: int, index: int) -> int:
+        return codec.encoded_nbytes(layer, tokens, HEADS, index * BS)
+
+    stats = TurboWireConnectorStats()
+    local = LocalEnd("decode-engine", 0, None, "DRAM", 1 << 30, 0, 64, 2 * HEADS * DIM * 2 * LAYERS)
+    clients = SimpleNamespace(get=lambda host, port: client)
+    loader = KVLoader(config, geo, layout, nbytes, local, transport, clients, ranges, decode,
+                      InlineExecutor(), stats)
+    return Rig(loader, transport, client, ranges, decoded, stats)
+
+
+def request(rid: str = "r1", blocks: int = 3) -> LoadRequest:
+    return LoadRequest(
+        rid, "remote-" + rid, PEER,
+        [LoadBlock(i, 10 + i, BS if i < blocks - 1 else 5, i, 100 + i) for i in range(blocks)],
+        "raw", [10 + i for i in range(blocks)],
+    )
+
+
+def drive(r: Rig, steps: int = 20, land: bool = True) -> tuple[set[str], set[str]]:
+    """Poll like vLLM does each step; every posted READ lands by the next poll if ``land``."""
+    finished: set[str] = set()
+    failed: set[str] = set()
+    for _ in range(steps):
+        if land:
+            for x in r.transport.reads:
+                if x.current is TransferState.PENDING:
+                    x.current = TransferState.DONE
+        f, bad = r.loader.results()
+        finished |= f
+        failed |= bad
+        if not r.loader.pending:
+            break
+    return finished, failed
+
+
+def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases():
+    r = rig()
+    r.loader.start([request()])
+    assert r.client.calls[:1] == ["handshake"]
+    finished, failed = drive(r)
+    assert finished == {"r1"} and not failed
+    assert [layers for _, layers in r.decoded] == [(0,), (1,), (2,), (3,)]
+    assert len(r.transport.reads) == 4 and all(x.released for x in r.transport.reads)
+    assert r.client.calls.index("heartbeat") < r.client.calls.index("release")
+    assert r.client.released == ["remote-r1"]
+    assert r.ranges.free_bytes == r.ranges.capacity  # receive range given back
+    report = r.loader.take_reports()["r1"]
+    assert report.failed is None and report.tokens == 2 * BS + 5
+    assert report.wire_bytes == sum(x.nbytes for x in r.transport.reads)
+
+
+def test_no_more_than_two_reads_are_on_the_wire():
+    r = rig()
+    r.loader.start([request()])
+    r.loader.results()
+    r.loader.results()
+    pending = [x for x in r.transport.reads if x.current is TransferState.PENDING]
+    assert len(r.transport.reads) == 2 and len(pending) == 2 and not r.decoded
+
+
+def test_nothing_is_decoded_when_the_lease_is_gone():
+    r = rig()
+    r.client.expired.add("remote-r1")
+    r.loader.start([request()])
+    finished, failed = drive(r)
+    assert failed == {"r1"} and finished == {"r1"}
+    assert not r.decoded
+    assert r.failures() == {"lease_expired": 1}
+    assert r.loader.take_reports()["r1"].failed == "lease_expired"
+
+
+def test_a_failed_group_fails_the_load_and_later_groups_are_not_decoded():
+    r = rig()
+    r.loader.start([request()])
+    r.loader.results()
+    r.transport.reads[0].current = TransferState.DONE
+    r.transport.reads[1].current = TransferState.FAILED
+    finished, failed = drive(r, land=False)
+    assert failed == {"r1"}
+    assert r.decoded == [("r1", (0,))]
+    assert r.failures() == {"transport": 1}
+    # group 2 went out when group 0 landed and is still on the wire: its range stays quarantined
+    assert len(r.transport.reads) == 3 and r.transport.reads[2].current is TransferState.PENDING
+    assert r.loader.quarantined_bytes == r.ranges.capacity - r.ranges.free_bytes > 0
+
+
+def test_a_range_a_read_may_still_write_is_quarantined_and_late_completions_change_nothing():
+    r = rig()
+    r.loader.start([request()])
+    r.loader.results()
+    r.transport.reads[0].current = TransferState.FAILED  # reads[1] still PENDING
+    _, failed = drive(r, steps=1, land=False)
+    assert failed == {"r1"}
+    nbytes = r.loader.quarantined_bytes
+    assert nbytes > 0 and r.ranges.free_bytes == r.ranges.capacity - nbytes
+    r.transport.reads[1].current = TransferState.DONE  # the late READ lands
+    assert r.loader.results() == (set(), set()) and not r.decoded
+    assert r.loader.quarantined_bytes == nbytes
+
+
+def test_a_load_past_its_deadline_times_out():
+    r = rig(transfer_timeout_seconds=0.5)
+    r.loader.start([request()])
+    r.loader._jobs[0].created -= 10.0
+    _, failed = drive(r, steps=1, land=False)
+    assert failed == {"r1"} and r.failures() == {"timeout": 1}
+
+
+def test_a_request_larger_than_the_receive_buffer_fails_at_once():
+    r = rig(recv_bytes=4096)
+    r.loader.start([request(blocks=4)])
+    _, failed = drive(r, steps=3)
+    assert failed == {"r1"} and r.failures() == {"recv_buffer_too_small": 1}
+    assert not r.transport.reads
+
+
+def test_a_transport_that_cannot_post_frees_the_range():
+    r = rig()
+    r.transport.fail_read = True
+    r.loader.start([request()])
+    _, failed = drive(r, steps=3)
+    assert failed == {"r1"} and r.failures() == {"transport": 1}
+    assert r.ranges.free_bytes == r.ranges.capacity
+
+
+@pytest.mark.parametrize("error,reason", [
+    (BlockIndexError("block 9 out of range"), "bounds"),
+    (IndexError("a bug in turbowire, not a peer"), "internal"),
+])
+def test_decode_errors_are_counted_by_their_own_reason(error, reason):
+    r = rig(decode_error=error)
+    r.loader.start([request()])
+    _, failed = drive(r)
+    assert failed == {"r1"} and r.failures() == {reason: 1}
+
+
+def test_remote_slots_outside_the_peer_pool_are_refused_before_any_read():
+    r = rig()
+    bad = request()
+    bad.blocks[1].slot = 10**6
+    r.loader.start([bad])
+    _, failed = drive(r, steps=3)
+    assert failed == {"r1"} and r.failures() == {"bounds": 1} and not r.transport.reads
