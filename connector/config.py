@@ -1,16 +1,26 @@
 """The connector's configuration: ``kv_connector_extra_config`` keys, validated at start.
 
-Every key is documented in README.md ("Connector configuration"). Validation happens once, when
-vLLM builds the connector, and each error says which key is wrong and what to put there, so a
-mistyped config stops the engine at start instead of failing the first transfer.
+``CONFIG_KEYS`` is the one declaration of every key (type, bounds, default, doc). The parsing of
+``kv_connector_extra_config``, the checks of ``TurboWireConfig``, the error messages and the
+README table ("Connector configuration") are all derived from it, so a key cannot be documented,
+bounded or defaulted differently in two places; tests/unit/connector/test_config_table.py keeps
+the README in sync (regenerate with ``python -m turbowire.connector.config --write README.md``).
+Validation happens once, when vLLM builds the connector, and each error says which key is wrong,
+what was given and what to put there, so a mistyped config stops the engine at start instead of
+failing the first transfer.
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import json
+import math
 import os
+import re
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,90 +28,321 @@ AUTH_TOKEN_ENV = "TURBOWIRE_AUTH_TOKEN"
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 DEFAULT_PRESET = "tq4"
 DEFAULT_STAGING_BYTES = 256 << 20
+MIN_BUFFER_BYTES = 64 << 10
 DEFAULT_SIDE_CHANNEL_PORT = 5700
 DEFAULT_DECODE_PIPELINE_GROUPS = 8
 MAX_DECODE_PIPELINE_GROUPS = 256
 DEFAULT_NIXL_PROGRESS_DELAY_US = 100
 MIN_LEASE_SECONDS = 1.0
+MIN_AUTH_TOKEN_CHARS = 8
 
-KNOWN_KEYS = frozenset(
-    {
-        "preset",
-        "staging_bytes",
-        "recv_bytes",
-        "lease_seconds",
-        "side_channel_host",
-        "side_channel_bind",
-        "side_channel_port",
-        "nixl_backends",
-        "nixl_backend_params",
-        "auth_token",
-        "auth_token_env",
-        "load_failure_policy",
-        "handshake_timeout_seconds",
-        "transfer_timeout_seconds",
-        "min_transfer_tokens",
-        "decode_pipeline_groups",
-        "nixl_progress_delay_us",
-    }
-)
+TABLE_BEGIN = "<!-- config-table -->"
+TABLE_END = "<!-- /config-table -->"
 
 
 class ConnectorConfigError(ValueError):
     """A ``kv_connector_extra_config`` value is missing or invalid."""
 
 
-def _parse_size(key: str, value: Any) -> int:
-    """Accept ints or strings such as "256MiB", "1GiB", "64M"."""
-    if isinstance(value, bool):
-        raise ConnectorConfigError(f"{key} must be a byte count such as 268435456 or '256MiB'")
-    if isinstance(value, int):
+# -- sizes -----------------------------------------------------------------------------------------
+
+_SIZE_UNITS: tuple[tuple[str, int], ...] = (
+    ("gib", 1 << 30), ("gb", 10**9), ("g", 1 << 30),
+    ("mib", 1 << 20), ("mb", 10**6), ("m", 1 << 20),
+    ("kib", 1 << 10), ("kb", 10**3), ("k", 1 << 10),
+    ("b", 1),
+)
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as "256MiB", "1GiB", "64M" (bare K/M/G are binary)."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
-        units = {
-            "gib": 1 << 30, "gb": 10**9, "g": 1 << 30,
-            "mib": 1 << 20, "mb": 10**6, "m": 1 << 20,
-            "kib": 1 << 10, "kb": 10**3, "k": 1 << 10,
-            "b": 1,
-        }
-        for suffix, mult in units.items():
-            if text.endswith(suffix):
-                number = text[: -len(suffix)]
-                try:
-                    return int(float(number) * mult)
-                except ValueError:
-                    break
         if text.isdigit():
             return int(text)
+        for suffix, mult in _SIZE_UNITS:
+            if text.endswith(suffix):
+                try:
+                    return int(float(text[: -len(suffix)]) * mult)
+                except (ValueError, OverflowError):
+                    break
     raise ConnectorConfigError(
         f"{key}={value!r} is not a byte count: use an integer (268435456) or a string "
         "with a unit ('256MiB', '1GiB')"
     )
 
 
-def _parse_float(key: str, value: Any, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConnectorConfigError(f"{key} must be a number of seconds (got {value!r})")
-    try:
-        number = float(value)
-    except ValueError as exc:
-        raise ConnectorConfigError(f"{key} must be a number of seconds (got {value!r})") from exc
-    if number < minimum:
-        raise ConnectorConfigError(f"{key}={number} is too small: use at least {minimum}")
-    return number
+def format_size(n: int) -> str:
+    """The shortest exact binary-unit spelling of ``n`` ("256MiB"), as the README shows sizes."""
+    for suffix, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % mult == 0:
+            return f"{n // mult}{suffix}"
+    return str(n)
 
 
-def _parse_int(key: str, value: Any, minimum: int, maximum: int) -> int:
-    if isinstance(value, bool):
-        raise ConnectorConfigError(f"{key} must be an integer (got {value!r})")
+# -- value kinds: parse (JSON-ish extra config), check (a typed value), describe (README) ----------
+
+
+class ValueKind:
+    """How one key's value is read, bounded and documented."""
+
+    def parse(self, key: str, raw: Any) -> Any:
+        """The typed value of ``raw`` as given in ``kv_connector_extra_config`` (checked)."""
+        self.check(key, raw)
+        return raw
+
+    def check(self, key: str, value: Any) -> None:
+        """Raise ``ConnectorConfigError`` naming ``key`` when ``value`` is out of bounds."""
+
+    def describe(self) -> str:
+        """The README "values" cell: the type and what is allowed."""
+        raise NotImplementedError
+
+    def show(self, value: Any) -> str:
+        """A value as the README default column spells it (inside backticks)."""
+        return json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+
+
+@dataclass(frozen=True)
+class Size(ValueKind):
+    """A byte count, an int or a string with a unit."""
+
+    minimum: int
+    why: str = ""
+
+    def parse(self, key: str, raw: Any) -> int:
+        n = parse_size(key, raw)
+        self.check(key, n)
+        return n
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConnectorConfigError(
+                f"{key} must be a byte count such as 268435456 or '256MiB' (got {value!r})"
+            )
+        if value < self.minimum:
+            raise ConnectorConfigError(
+                f"{key}={value} is too small: use at least {format_size(self.minimum)}{self.why}"
+            )
+
+    def describe(self) -> str:
+        return f'bytes >= `{format_size(self.minimum)}`: integer or `"64MiB"`, `"1GiB"`'
+
+    def show(self, value: Any) -> str:
+        return format_size(value)
+
+
+@dataclass(frozen=True)
+class Seconds(ValueKind):
+    """A duration in seconds with a lower bound."""
+
+    minimum: float
+
+    def parse(self, key: str, raw: Any) -> float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+            raise ConnectorConfigError(f"{key} must be a number of seconds (got {raw!r})")
+        try:
+            number = float(raw)
+        except ValueError as exc:
+            raise ConnectorConfigError(f"{key} must be a number of seconds (got {raw!r})") from exc
+        self.check(key, number)
+        return number
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ConnectorConfigError(f"{key} must be a number of seconds (got {value!r})")
+        if value < self.minimum:
+            raise ConnectorConfigError(f"{key}={value} is too small: use at least {self.minimum}")
+
+    def describe(self) -> str:
+        return f"seconds >= `{self.minimum:g}`"
+
+    def show(self, value: Any) -> str:
+        return f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Int(ValueKind):
+    """An integer in ``minimum..maximum``; ``why`` explains the bounds in the error."""
+
+    minimum: int
+    maximum: int
+    why: str = ""
+
+    def parse(self, key: str, raw: Any) -> int:
+        if isinstance(raw, float) and raw.is_integer():
+            raw = int(raw)
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise ConnectorConfigError(f"{key} must be an integer (got {raw!r})")
+        try:
+            number = int(raw)
+        except ValueError as exc:
+            raise ConnectorConfigError(f"{key} must be an integer (got {raw!r})") from exc
+        self.check(key, number)
+        return number
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConnectorConfigError(f"{key} must be an integer (got {value!r})")
+        if not self.minimum <= value <= self.maximum:
+            raise ConnectorConfigError(
+                f"{key}={value} is out of range: use {self.minimum}..{self.maximum}{self.why}"
+            )
+
+    def describe(self) -> str:
+        return f"integer `{self.minimum}`..`{self.maximum}`"
+
+
+@dataclass(frozen=True)
+class Text(ValueKind):
+    """A string; each rule is (predicate, error template with ``{key}`` and ``{value}``)."""
+
+    what: str
+    rules: tuple[tuple[Callable[[str], bool], str], ...] = ()
+    nullable: bool = False
+    secret: bool = False
+
+    def parse(self, key: str, raw: Any) -> str | None:
+        if self.nullable and (raw is None or raw == ""):
+            return None  # "" and null both mean "not set"
+        self.check(key, raw)
+        return raw
+
+    def check(self, key: str, value: Any) -> None:
+        if value is None and self.nullable:
+            return
+        shown = "a non-string value" if self.secret else repr(value)
+        if not isinstance(value, str):
+            raise ConnectorConfigError(f"{key} must be {self.what} (got {shown})")
+        for ok, template in self.rules:
+            if not ok(value):
+                raise ConnectorConfigError(template.format(key=key, value=value))
+
+    def describe(self) -> str:
+        return self.what
+
+
+@dataclass(frozen=True)
+class Choice(ValueKind):
+    """One of a few words, or null (then someone else's default applies)."""
+
+    choices: tuple[str, ...]
+
+    def check(self, key: str, value: Any) -> None:
+        if value is not None and value not in self.choices:
+            raise ConnectorConfigError(
+                f"{key}={value!r} is unknown: use one of {list(self.choices)}"
+            )
+
+    def describe(self) -> str:
+        return " or ".join(f"`{c}`" for c in self.choices)
+
+
+@dataclass(frozen=True)
+class Names(ValueKind):
+    """A non-empty list of names; a comma-separated string is accepted (shell-friendly)."""
+
+    example: str
+
+    def parse(self, key: str, raw: Any) -> tuple[str, ...]:
+        if isinstance(raw, str):
+            raw = [name.strip() for name in raw.split(",") if name.strip()]
+        if not isinstance(raw, (list, tuple)):
+            raise ConnectorConfigError(
+                f"{key} must be a non-empty list such as {self.example} (got {raw!r})"
+            )
+        names = tuple(raw)
+        self.check(key, names)
+        return names
+
+    def check(self, key: str, value: Any) -> None:
+        if (
+            isinstance(value, str)
+            or not isinstance(value, Sequence)
+            or not value
+            or not all(isinstance(name, str) and name for name in value)
+        ):
+            raise ConnectorConfigError(
+                f"{key} must be a non-empty list such as {self.example} (got {value!r})"
+            )
+
+    def describe(self) -> str:
+        return 'list of names, or `"A,B"`'
+
+
+@dataclass(frozen=True)
+class ParamsByName(ValueKind):
+    """A mapping name -> {string: string} (per-backend init parameters)."""
+
+    example: str
+    inner_example: str
+
+    def parse(self, key: str, raw: Any) -> dict[str, dict[str, Any]]:
+        if not isinstance(raw, Mapping) or not all(isinstance(v, Mapping) for v in raw.values()):
+            raise ConnectorConfigError(
+                f"{key} must map a backend to its init params, e.g. {self.example} (got {raw!r})"
+            )
+        params = {name: dict(inner) for name, inner in raw.items()}
+        self.check(key, params)
+        return params
+
+    def check(self, key: str, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise ConnectorConfigError(
+                f"{key} must map a backend to its init params, e.g. {self.example}"
+            )
+        for name, inner in value.items():
+            if not isinstance(inner, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in inner.items()
+            ):
+                raise ConnectorConfigError(
+                    f"{key}[{name!r}] must map strings to strings, e.g. {self.inner_example}"
+                )
+
+    def describe(self) -> str:
+        return "object: backend -> {string: string}"
+
+
+def _is_ip(text: str) -> bool:
     try:
-        number = int(value)
-    except (TypeError, ValueError) as exc:
-        raise ConnectorConfigError(f"{key} must be an integer (got {value!r})") from exc
-    if not minimum <= number <= maximum:
-        raise ConnectorConfigError(f"{key}={number} is out of range: use {minimum}..{maximum}")
-    return number
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+Derive = Callable[[Mapping[str, Any], Mapping[str, str]], Any]
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One ``kv_connector_extra_config`` key: everything the code and the README say about it.
+
+    ``derive`` computes the default from the other keys' values and the environment when the key
+    is absent (``default_doc`` then says so in the README); ``stored`` is False for keys that only
+    steer the parsing and are not kept in ``TurboWireConfig``.
+    """
+
+    name: str
+    kind: ValueKind
+    doc: str
+    default: Any = None
+    factory: Callable[[], Any] | None = None
+    default_doc: str = ""
+    derive: Derive | None = None
+    stored: bool = True
+
+    def default_value(self) -> Any:
+        """The default when nothing else decides it (a fresh object for mutable defaults)."""
+        return self.factory() if self.factory is not None else self.default
+
+    def default_cell(self) -> str:
+        """The README default column."""
+        return self.default_doc or f"`{self.kind.show(self.default_value())}`"
 
 
 def default_advertise_host() -> str:
@@ -109,84 +350,221 @@ def default_advertise_host() -> str:
     return "127.0.0.1"
 
 
+def _auth_token_from_env(values: Mapping[str, Any], env: Mapping[str, str]) -> str | None:
+    return env.get(values["auth_token_env"]) or None
+
+
+CONFIG_KEYS: tuple[ConfigKey, ...] = (
+    ConfigKey(
+        "preset",
+        Text(
+            "a preset name",
+            ((bool, "{key} must be a non-empty preset name such as 'tq4' (got {value!r})"),),
+        ),
+        "Codec preset of the staged chunks (`turbowire presets` lists them: `raw`, `k8v4`, "
+        "`tq4`, `k4v3`, `tq3`, `k3v2`, `tq2`, `k5v4`). Both engines must use the same preset "
+        "(checked at the handshake).",
+        default=DEFAULT_PRESET,
+    ),
+    ConfigKey(
+        "staging_bytes",
+        Size(MIN_BUFFER_BYTES, " (it must hold one block of every layer)"),
+        "Size of the prefill side's compressed staging pool, registered with NIXL (device "
+        "memory on GPU, DRAM on CPU). It is carved into slots of one KV block x all layers; "
+        "when it is full, new requests fall back (the decode engine recomputes their prompt) and "
+        '`turbowire_kv_fallbacks_total{reason="staging_full"}` counts them.',
+        default=DEFAULT_STAGING_BYTES,
+    ),
+    ConfigKey(
+        "recv_bytes",
+        Size(MIN_BUFFER_BYTES),
+        "Size of the decode side's receive buffer (NIXL READ target). A request larger than it "
+        "fails with reason `recv_buffer_too_small`.",
+        default=DEFAULT_STAGING_BYTES,
+        default_doc="= `staging_bytes`",
+        derive=lambda values, env: values["staging_bytes"],
+    ),
+    ConfigKey(
+        "lease_seconds",
+        Seconds(MIN_LEASE_SECONDS),
+        "How long the prefill engine keeps a finished request's compressed KV for the decode "
+        "engine. The decode engine heartbeats while a request waits and claims the lease before "
+        "reading; an unread lease expires, its slots are freed and `reason=\"lease_expired\"` is "
+        "counted.",
+        default=30.0,
+    ),
+    ConfigKey(
+        "side_channel_host",
+        Text(
+            "a host name or IP address",
+            (
+                (
+                    lambda s: bool(s) and not any(c.isspace() for c in s),
+                    "{key} must be the address peers use to reach this engine (got {value!r})",
+                ),
+            ),
+        ),
+        "The address the *peer* uses to reach this engine's gRPC side channel (advertised in "
+        "`kv_transfer_params.remote_host`): set it to this host's address on the link between "
+        "engines.",
+        factory=default_advertise_host,
+    ),
+    ConfigKey(
+        "side_channel_bind",
+        Text(
+            "an IP address",
+            ((_is_ip, "{key}={value!r} must be an IP address such as 0.0.0.0"),),
+        ),
+        "Local address the side channel listens on.",
+        default="0.0.0.0",
+    ),
+    ConfigKey(
+        "side_channel_port",
+        Int(1, 65535, " (a TCP port)"),
+        "Side-channel TCP port (plus the data-parallel index). Give each engine on a host its own.",
+        default=DEFAULT_SIDE_CHANNEL_PORT,
+    ),
+    ConfigKey(
+        "nixl_backends",
+        Names("['UCX']"),
+        "NIXL backends for the transfer agent. UCX transport settings come from the environment "
+        "(`UCX_TLS=tcp,self`, `UCX_NET_DEVICES=eth1`, ...).",
+        default=("UCX",),
+    ),
+    ConfigKey(
+        "nixl_backend_params",
+        ParamsByName("{'UCX': {'ucx_devices': 'veth0'}}", "{'ucx_devices': 'veth0'}"),
+        'Init parameters per backend, e.g. `{"UCX": {"ucx_devices": "veth0"}}`; every backend '
+        "named must be in `nixl_backends`.",
+        factory=dict,
+    ),
+    ConfigKey(
+        "auth_token",
+        Text(
+            f"a string of >= {MIN_AUTH_TOKEN_CHARS} characters",
+            (
+                (
+                    lambda s: len(s) >= MIN_AUTH_TOKEN_CHARS,
+                    f"{{key}} is too short: use at least {MIN_AUTH_TOKEN_CHARS} characters",
+                ),
+            ),
+            nullable=True,
+            secret=True,
+        ),
+        "Shared secret required on every side-channel call (`authorization: Bearer ...`); set "
+        "the same on both engines. Unset (and the variable empty): no authentication.",
+        default_doc=f"env `{AUTH_TOKEN_ENV}`",
+        derive=_auth_token_from_env,
+    ),
+    ConfigKey(
+        "auth_token_env",
+        Text("an environment variable name", ((bool, "{key} must name an environment variable"),)),
+        "Name of the environment variable to read the token from when `auth_token` is not given.",
+        default=AUTH_TOKEN_ENV,
+        stored=False,
+    ),
+    ConfigKey(
+        "load_failure_policy",
+        Choice(LOAD_FAILURE_POLICIES),
+        "What a failed load does on the decode engine: `fail` the request or `recompute` its "
+        "prompt locally. Overrides the `KVTransferConfig` field.",
+        default_doc="vLLM's `kv_load_failure_policy` (`fail`)",
+    ),
+    ConfigKey(
+        "handshake_timeout_seconds",
+        Seconds(0.1),
+        "Timeout of side-channel calls (handshake, claim, release, heartbeat).",
+        default=5.0,
+    ),
+    ConfigKey(
+        "transfer_timeout_seconds",
+        Seconds(0.1),
+        "A load not finished after this long fails with reason `timeout`.",
+        default=120.0,
+    ),
+    ConfigKey(
+        "min_transfer_tokens",
+        Int(0, 1 << 30),
+        "Prompts whose remote part is shorter than this are recomputed on the decode engine "
+        "instead of transferred.",
+        default=0,
+    ),
+    ConfigKey(
+        "decode_pipeline_groups",
+        Int(1, MAX_DECODE_PIPELINE_GROUPS, " (1 = one READ, decode after it)"),
+        "The decode engine READs a request's chunks in this many groups of layers (one NIXL READ "
+        "each, two on the wire at a time) and decodes each group into the cache as soon as it "
+        "lands, while the next group is on the wire. `1` = one READ, decode after it.",
+        default=DEFAULT_DECODE_PIPELINE_GROUPS,
+    ),
+    ConfigKey(
+        "nixl_progress_delay_us",
+        Int(0, 1_000_000, " (0 = NIXL's busy-polling progress thread)"),
+        "Sleep of the NIXL agent's progress thread between polls, in microseconds. NIXL's Python "
+        "API uses `0`, a thread that never sleeps and keeps a whole core busy; on CPU engines "
+        "pinned to one core that halved the codec's speed. `0` restores NIXL's behaviour.",
+        default=DEFAULT_NIXL_PROGRESS_DELAY_US,
+    ),
+)
+
+CONFIG_KEYS_BY_NAME: Mapping[str, ConfigKey] = {k.name: k for k in CONFIG_KEYS}
+KNOWN_KEYS = frozenset(CONFIG_KEYS_BY_NAME)
+
+
+def _default(name: str) -> Any:
+    """The dataclass field of ``name`` with the table's default (defaults live in one place)."""
+    key = CONFIG_KEYS_BY_NAME[name]
+    if key.factory is not None:
+        return field(default_factory=key.factory)
+    return field(default=key.default)
+
+
+def unknown_key_message(unknown: Sequence[str]) -> str:
+    """The error for keys not in the table: each named, with the closest known key if any."""
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(str(name), sorted(KNOWN_KEYS), n=1)
+        if close:
+            hints.append(f"{name!r} -> {close[0]!r}")
+    did_you_mean = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return (
+        f"unknown kv_connector_extra_config key(s) {list(unknown)}{did_you_mean}; known keys: "
+        f"{sorted(KNOWN_KEYS)} (see README 'Connector configuration')"
+    )
+
+
 @dataclass(frozen=True)
 class TurboWireConfig:
-    """Validated connector settings (see README "Connector configuration")."""
+    """Validated connector settings; defaults, bounds and docs come from ``CONFIG_KEYS``."""
 
-    preset: str = DEFAULT_PRESET
-    staging_bytes: int = DEFAULT_STAGING_BYTES
-    recv_bytes: int = DEFAULT_STAGING_BYTES
-    lease_seconds: float = 30.0
-    side_channel_host: str = field(default_factory=default_advertise_host)
-    side_channel_bind: str = "0.0.0.0"
-    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
-    nixl_backends: tuple[str, ...] = ("UCX",)
-    nixl_backend_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    auth_token: str | None = None
-    load_failure_policy: str | None = None
-    handshake_timeout_seconds: float = 5.0
-    transfer_timeout_seconds: float = 120.0
-    min_transfer_tokens: int = 0
-    decode_pipeline_groups: int = DEFAULT_DECODE_PIPELINE_GROUPS
-    nixl_progress_delay_us: int = DEFAULT_NIXL_PROGRESS_DELAY_US
+    preset: str = _default("preset")
+    staging_bytes: int = _default("staging_bytes")
+    recv_bytes: int = _default("recv_bytes")
+    lease_seconds: float = _default("lease_seconds")
+    side_channel_host: str = _default("side_channel_host")
+    side_channel_bind: str = _default("side_channel_bind")
+    side_channel_port: int = _default("side_channel_port")
+    nixl_backends: tuple[str, ...] = _default("nixl_backends")
+    nixl_backend_params: Mapping[str, Mapping[str, str]] = _default("nixl_backend_params")
+    auth_token: str | None = _default("auth_token")
+    load_failure_policy: str | None = _default("load_failure_policy")
+    handshake_timeout_seconds: float = _default("handshake_timeout_seconds")
+    transfer_timeout_seconds: float = _default("transfer_timeout_seconds")
+    min_transfer_tokens: int = _default("min_transfer_tokens")
+    decode_pipeline_groups: int = _default("decode_pipeline_groups")
+    nixl_progress_delay_us: int = _default("nixl_progress_delay_us")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.preset, str) or not self.preset:
-            raise ConnectorConfigError("preset must be a non-empty preset name such as 'tq4'")
-        if self.staging_bytes < 1 << 16:
-            raise ConnectorConfigError(
-                f"staging_bytes={self.staging_bytes} is too small: use at least 64KiB "
-                "(it must hold one block of every layer)"
-            )
-        if self.recv_bytes < 1 << 16:
-            raise ConnectorConfigError(f"recv_bytes={self.recv_bytes} is too small: use >= 64KiB")
-        if self.lease_seconds < MIN_LEASE_SECONDS:
-            raise ConnectorConfigError(
-                f"lease_seconds={self.lease_seconds} is too small: use at least {MIN_LEASE_SECONDS}"
-            )
-        if not 1 <= self.side_channel_port <= 65535:
-            raise ConnectorConfigError(
-                f"side_channel_port={self.side_channel_port} is not a TCP port (1..65535)"
-            )
-        if not self.side_channel_host or any(c.isspace() for c in self.side_channel_host):
-            raise ConnectorConfigError(
-                "side_channel_host must be the address peers use to reach this engine "
-                f"(got {self.side_channel_host!r})"
-            )
-        if not self.nixl_backends or not all(
-            isinstance(b, str) and b for b in self.nixl_backends
-        ):
-            raise ConnectorConfigError("nixl_backends must be a non-empty list such as ['UCX']")
-        for backend, params in self.nixl_backend_params.items():
+        """Every field is checked here, so a directly built config is as safe as a parsed one."""
+        for key in CONFIG_KEYS:
+            if key.stored:
+                key.kind.check(key.name, getattr(self, key.name))
+        for backend in self.nixl_backend_params:
             if backend not in self.nixl_backends:
                 raise ConnectorConfigError(
                     f"nixl_backend_params names backend {backend!r} that is not in "
                     f"nixl_backends {list(self.nixl_backends)}"
                 )
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
-                raise ConnectorConfigError(
-                    f"nixl_backend_params[{backend!r}] must map strings to strings, "
-                    "e.g. {'ucx_devices': 'veth0'}"
-                )
-        if self.load_failure_policy is not None and (
-            self.load_failure_policy not in LOAD_FAILURE_POLICIES
-        ):
-            raise ConnectorConfigError(
-                f"load_failure_policy={self.load_failure_policy!r} is unknown: use one of "
-                f"{list(LOAD_FAILURE_POLICIES)}"
-            )
-        if not 1 <= self.decode_pipeline_groups <= MAX_DECODE_PIPELINE_GROUPS:
-            raise ConnectorConfigError(
-                f"decode_pipeline_groups={self.decode_pipeline_groups} is out of range: use "
-                f"1 (one READ, decode after it) to {MAX_DECODE_PIPELINE_GROUPS}"
-            )
-        if not 0 <= self.nixl_progress_delay_us <= 1_000_000:
-            raise ConnectorConfigError(
-                f"nixl_progress_delay_us={self.nixl_progress_delay_us} is out of range: use 0 "
-                "(NIXL's busy-polling progress thread) to 1000000"
-            )
-        if self.auth_token is not None and len(self.auth_token) < 8:
-            raise ConnectorConfigError("auth_token is too short: use at least 8 characters")
 
     @classmethod
     def from_extra_config(
@@ -196,97 +574,29 @@ class TurboWireConfig:
         known_presets: list[str] | None = None,
     ) -> TurboWireConfig:
         """Build from ``kv_connector_extra_config``; unknown keys are an error (typos)."""
-        extra = dict(extra or {})
-        env = os.environ if environ is None else environ
-        unknown = sorted(set(extra) - KNOWN_KEYS)
-        if unknown:
+        if extra is not None and not isinstance(extra, Mapping):
             raise ConnectorConfigError(
-                f"unknown kv_connector_extra_config key(s) {unknown}; known keys: "
-                f"{sorted(KNOWN_KEYS)} (see README 'Connector configuration')"
+                f"kv_connector_extra_config must be a JSON object of keys (got {extra!r})"
             )
-        kwargs: dict[str, Any] = {}
-        if "preset" in extra:
-            kwargs["preset"] = extra["preset"]
-            if known_presets is not None and extra["preset"] not in known_presets:
-                raise ConnectorConfigError(
-                    f"preset={extra['preset']!r} is unknown: use one of {known_presets}"
-                )
-        if "staging_bytes" in extra:
-            kwargs["staging_bytes"] = _parse_size("staging_bytes", extra["staging_bytes"])
-        if "recv_bytes" in extra:
-            kwargs["recv_bytes"] = _parse_size("recv_bytes", extra["recv_bytes"])
-        elif "staging_bytes" in extra:
-            kwargs["recv_bytes"] = kwargs["staging_bytes"]
-        if "lease_seconds" in extra:
-            kwargs["lease_seconds"] = _parse_float(
-                "lease_seconds", extra["lease_seconds"], MIN_LEASE_SECONDS
+        given = dict(extra or {})
+        env = os.environ if environ is None else environ
+        unknown = sorted((k for k in given if k not in KNOWN_KEYS), key=str)
+        if unknown:
+            raise ConnectorConfigError(unknown_key_message(unknown))
+        if known_presets is not None and "preset" in given and given["preset"] not in known_presets:
+            raise ConnectorConfigError(
+                f"preset={given['preset']!r} is unknown: use one of {known_presets}"
             )
-        for key in ("handshake_timeout_seconds", "transfer_timeout_seconds"):
-            if key in extra:
-                kwargs[key] = _parse_float(key, extra[key], 0.1)
-        if "min_transfer_tokens" in extra:
-            kwargs["min_transfer_tokens"] = _parse_int(
-                "min_transfer_tokens", extra["min_transfer_tokens"], 0, 1 << 30
-            )
-        if "decode_pipeline_groups" in extra:
-            kwargs["decode_pipeline_groups"] = _parse_int(
-                "decode_pipeline_groups", extra["decode_pipeline_groups"], 1,
-                MAX_DECODE_PIPELINE_GROUPS,
-            )
-        if "nixl_progress_delay_us" in extra:
-            kwargs["nixl_progress_delay_us"] = _parse_int(
-                "nixl_progress_delay_us", extra["nixl_progress_delay_us"], 0, 1_000_000
-            )
-        if "side_channel_host" in extra:
-            host = extra["side_channel_host"]
-            if not isinstance(host, str):
-                raise ConnectorConfigError("side_channel_host must be a string address")
-            kwargs["side_channel_host"] = host
-        if "side_channel_bind" in extra:
-            bind = extra["side_channel_bind"]
-            if not isinstance(bind, str):
-                raise ConnectorConfigError("side_channel_bind must be a string address")
-            try:
-                ipaddress.ip_address(bind)
-            except ValueError as exc:
-                raise ConnectorConfigError(
-                    f"side_channel_bind={bind!r} must be an IP address such as 0.0.0.0"
-                ) from exc
-            kwargs["side_channel_bind"] = bind
-        if "side_channel_port" in extra:
-            kwargs["side_channel_port"] = _parse_int(
-                "side_channel_port", extra["side_channel_port"], 1, 65535
-            )
-        if "nixl_backends" in extra:
-            backends = extra["nixl_backends"]
-            if isinstance(backends, str):
-                backends = [b.strip() for b in backends.split(",") if b.strip()]
-            if not isinstance(backends, (list, tuple)):
-                raise ConnectorConfigError("nixl_backends must be a list such as ['UCX']")
-            kwargs["nixl_backends"] = tuple(backends)
-        if "nixl_backend_params" in extra:
-            params = extra["nixl_backend_params"]
-            if not isinstance(params, Mapping) or not all(
-                isinstance(v, Mapping) for v in params.values()
-            ):
-                raise ConnectorConfigError(
-                    "nixl_backend_params must map a backend to its init params, e.g. "
-                    "{'UCX': {'ucx_devices': 'veth0'}}"
-                )
-            kwargs["nixl_backend_params"] = {k: dict(v) for k, v in params.items()}
-        token_env = extra.get("auth_token_env", AUTH_TOKEN_ENV)
-        if not isinstance(token_env, str):
-            raise ConnectorConfigError("auth_token_env must name an environment variable")
-        if "auth_token" in extra:
-            token = extra["auth_token"]
-            if token is not None and not isinstance(token, str):
-                raise ConnectorConfigError("auth_token must be a string")
-            kwargs["auth_token"] = token or None
-        elif env.get(token_env):
-            kwargs["auth_token"] = env[token_env]
-        if "load_failure_policy" in extra:
-            kwargs["load_failure_policy"] = extra["load_failure_policy"]
-        return cls(**kwargs)
+        values: dict[str, Any] = {}
+        for key in CONFIG_KEYS:
+            if key.name in given:
+                values[key.name] = key.kind.parse(key.name, given[key.name])
+            elif key.derive is None:
+                values[key.name] = key.default_value()
+        for key in CONFIG_KEYS:  # derived defaults read the keys resolved above
+            if key.name not in values and key.derive is not None:
+                values[key.name] = key.derive(values, env)
+        return cls(**{k.name: values[k.name] for k in CONFIG_KEYS if k.stored})
 
     def check_resolvable(self) -> None:
         """Fail early when the advertised side-channel host cannot be resolved."""
@@ -297,3 +607,55 @@ class TurboWireConfig:
                 f"side_channel_host={self.side_channel_host!r} does not resolve ({exc}); set it "
                 "to the address the peer engine should connect to"
             ) from exc
+
+
+# -- README ----------------------------------------------------------------------------------------
+
+
+def render_markdown_table(keys: Sequence[ConfigKey] = CONFIG_KEYS) -> str:
+    """The README "Connector configuration" table (test_config_table.py keeps README in sync)."""
+    lines = ["| key | default | values | meaning |", "|---|---|---|---|"]
+    for key in keys:
+        lines.append(
+            f"| `{key.name}` | {key.default_cell()} | {key.kind.describe()} | {key.doc} |"
+        )
+    return "\n".join(lines)
+
+
+_TABLE_RE = re.compile(re.escape(TABLE_BEGIN) + r"\n(.*?)\n" + re.escape(TABLE_END), re.DOTALL)
+
+
+def readme_table(readme: str) -> str | None:
+    """The table between the README markers, or None when the markers are missing."""
+    m = _TABLE_RE.search(readme)
+    return m.group(1) if m else None
+
+
+def update_readme(readme: str) -> str:
+    """``readme`` with the marked table replaced by the generated one."""
+    if readme_table(readme) is None:
+        raise ValueError(f"README lacks the {TABLE_BEGIN} ... {TABLE_END} markers")
+    table = render_markdown_table()
+    return _TABLE_RE.sub(lambda _: f"{TABLE_BEGIN}\n{table}\n{TABLE_END}", readme, count=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m turbowire.connector.config [--write README.md]``: print or refresh the table."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        sys.stdout.write(render_markdown_table() + "\n")
+        return 0
+    if len(args) == 2 and args[0] == "--write":
+        with open(args[1], encoding="utf-8") as f:
+            old = f.read()
+        new = update_readme(old)
+        if new != old:
+            with open(args[1], "w", encoding="utf-8") as f:
+                f.write(new)
+        return 0
+    sys.stderr.write("usage: python -m turbowire.connector.config [--write README.md]\n")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
