@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 import httpx
-from turbowire.connector.launch import (
+
+from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
+from turbowire.serving.launch import (
     EngineSpec,
     ProcessGroup,
     engine_lock,
@@ -33,8 +35,9 @@ from turbowire.connector.launch import (
     turbowire_kv_config,
 )
 
-from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
-from turbowire.prometheus_local import LocalPrometheus
+# the local Prometheus is a test helper (tests/support/), not part of the installed package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.prometheus_local import LocalPrometheus  # noqa: E402
 
 logger = logging.getLogger("metrics_run")
 

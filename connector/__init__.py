@@ -1,7 +1,8 @@
 """turbowire.connector: the vLLM KV connector (compressed P2P transfer over NIXL).
 
-``TurboWireConnector`` is imported lazily so that light submodules (config, params, staging,
-proxy) do not pull in vLLM.
+``TurboWireConnector`` is imported lazily so that light submodules (config, params, staging)
+do not pull in vLLM. Tools that run outside an engine (proxy, launcher, demo) live in
+``turbowire.serving``.
 """
 
 from __future__ import annotations

@@ -11,8 +11,17 @@ for CUDA caches or when asked explicitly.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# tests/support/ (importable as ``support``): test and benchmark helpers that the turbowire package
+# does not ship. pytest's default import mode already puts tests/ on sys.path for this file; say
+# so explicitly, so that ``--import-mode=importlib`` finds them too.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

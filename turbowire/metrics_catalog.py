@@ -1,7 +1,7 @@
 """Every Prometheus series turbowire exports, in one place.
 
 Why a catalog: the connector's Prometheus adapter (``turbowire.connector.prom``), the proxy
-(``turbowire.connector.proxy_metrics``), the recording rules, the Grafana dashboard generator, the
+(``turbowire.serving.proxy``), the recording rules, the Grafana dashboard generator, the
 README table and the naming tests all read this list, so a metric cannot be renamed in one place
 and silently missing in another. It imports nothing heavy (no vLLM, no prometheus_client).
 """

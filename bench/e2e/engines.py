@@ -4,18 +4,13 @@ The prefill engine runs in the root namespace, the decode engine inside the link
 (``ip netns exec``); each is pinned to its own core (``VLLM_CPU_OMP_THREADS_BIND``), UCX is told to
 use TCP over the veth end of its own side (``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES``), and each
 engine's side channel listens on its own link address, so every KV byte crosses the shaped link.
-Every process is started in its own session and stopped by process group.
+Processes are started, health-checked and stopped (by process group) through
+``turbowire.serving.launch``, the launcher of the demo and the e2e tests too.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +18,18 @@ from typing import Any
 import httpx
 
 from turbowire.bench_e2e.link import EmulatedLink
-from turbowire.connector.launch import EngineStartError  # one class for every launcher
+from turbowire.serving.launch import (  # one launcher, one EngineStartError for every caller
+    EngineSpec,
+    EngineStartError,
+    ManagedProcess,
+    ProcessGroup,
+    proxy_command,
+    spawn,
+)
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "ConnectorConfig", "EnginePair", "EngineSettings", "EngineStartError", "kv_transfer_config",
+]
 
 
 @dataclass(frozen=True)
@@ -98,60 +102,6 @@ def kv_transfer_config(conn: ConnectorConfig, role: str, side_host: str, side_po
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    label: str = ""  # for messages: "prefill engine (tw-raw)"; default: name
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.popen.poll() is not None:
-            return
-        try:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=timeout)
-        except ProcessLookupError:
-            pass
-
-
-def _spawn(name: str, cmd: list[str], env: dict[str, str], log_path: Path,
-           label: str = "") -> Proc:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "wb")
-    logger.info("starting %s: %s", name, " ".join(cmd))
-    popen = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    log.close()
-    return Proc(name, popen, log_path, label)
-
-
-def _wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise EngineStartError.from_log(proc.label or proc.name,
-                                            f"exited with code {proc.popen.returncode}",
-                                            proc.log_path)
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise EngineStartError.from_log(proc.label or proc.name,
-                                    f"not healthy at {url} after {timeout_s:.0f} s", proc.log_path)
-
-
-@dataclass
 class EnginePair:
     """Prefill engine + decode engine + proxy of one connector configuration, over one link."""
 
@@ -164,7 +114,7 @@ class EnginePair:
     decode_port: int = 8200
     proxy_port: int = 8000
     side_port: int = 5600
-    procs: list[Proc] = field(default_factory=list)
+    group: ProcessGroup = field(default_factory=ProcessGroup)
 
     @property
     def prefill_url(self) -> str:
@@ -178,69 +128,72 @@ class EnginePair:
     def proxy_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy_port}"
 
-    def _engine(self, role: str) -> Proc:
+    def engine_spec(self, role: str) -> EngineSpec:
+        """The vLLM server of one side (role: "prefill" or "decode"), on its own link address."""
         c = self.link.config
         s = self.settings
         prefill = role == "prefill"
         host = c.root_addr if prefill else c.ns_addr
         dev = c.root_if if prefill else c.ns_if
-        port = self.prefill_port if prefill else self.decode_port
         side_port = self.side_port if prefill else self.side_port + 1
-        env = dict(os.environ)
-        env.update({
-            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_CPU_OMP_THREADS_BIND": "0" if prefill else "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(s.prefill_kvcache_gib if prefill else s.decode_kvcache_gib),
-            "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": dev,
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
-            "TW_BENCH_EVENTS": str(self.events_path), "TW_BENCH_ROLE": "P" if prefill else "D",
-            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
-        })
-        ktc = kv_transfer_config(self.conn, role, host, side_port + 10, dev)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(s.model), "--served-model-name", "bench",
-               "--host", host, "--port", str(port), "--dtype", "bfloat16",
-               "--max-model-len", str(s.max_model_len), "--block-size", str(s.block_size),
-               "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-               "--max-num-seqs", str(s.max_num_seqs),
-               # P may keep prompts cached (primed mode); D never does, so every request is a
-               # full KV transfer
-               "--enable-prefix-caching" if prefill and s.prefill_prefix_caching
-               else "--no-enable-prefix-caching",
-               "--enforce-eager", "--disable-uvicorn-access-log",
-               "--kv-transfer-config", json.dumps(ktc)]
-        if not prefill:
-            cmd = self.link.netns_cmd(cmd)
-        return _spawn(f"{role}-{self.conn.label}", cmd, env,
-                      self.workdir / f"{self.conn.label}-{role}.log",
-                      label=f"{role} engine ({self.conn.label})")
+        return EngineSpec(
+            name=f"{role}-{self.conn.label}",
+            model=s.model,
+            host=host,
+            port=self.prefill_port if prefill else self.decode_port,
+            cpu=0 if prefill else 1,
+            kv_transfer_config=kv_transfer_config(self.conn, role, host, side_port + 10, dev),
+            kvcache_gib=s.prefill_kvcache_gib if prefill else s.decode_kvcache_gib,
+            block_size=s.block_size,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            served_model_name="bench",
+            # P may keep prompts cached (primed mode); D never does, so every request is a full
+            # KV transfer
+            extra_args=["--enable-prefix-caching" if prefill and s.prefill_prefix_caching
+                        else "--no-enable-prefix-caching"],
+            env={
+                "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": dev,
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+                "TW_BENCH_EVENTS": str(self.events_path), "TW_BENCH_ROLE": "P" if prefill else "D",
+                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+            },
+        )
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], url: str,
+               log_name: str, label: str) -> ManagedProcess:
+        # cwd: the caller's, as before the launcher was shared (--out, --model and the events
+        # file may be relative paths)
+        return self.group.add(spawn(name, cmd, env, self.workdir, url, label,
+                                    log_name=log_name, cwd=Path.cwd()))
+
+    def _engine(self, role: str) -> ManagedProcess:
+        spec = self.engine_spec(role)
+        cmd = spec.command() if role == "prefill" else self.link.netns_cmd(spec.command())
+        return self._spawn(spec.name, cmd, spec.environment(), spec.url,
+                           f"{self.conn.label}-{role}.log", f"{role} engine ({self.conn.label})")
 
     def start(self) -> None:
         """Start both engines (in parallel), wait until healthy, then the proxy."""
         try:
             p = self._engine("prefill")
-            self.procs.append(p)
             d = self._engine("decode")
-            self.procs.append(d)
-            _wait_healthy(p, f"{self.prefill_url}/health", self.settings.startup_timeout_s)
-            _wait_healthy(d, f"{self.decode_url}/health", self.settings.startup_timeout_s)
+            p.wait_healthy(self.settings.startup_timeout_s)
+            d.wait_healthy(self.settings.startup_timeout_s)
             # turbowire's own P/D proxy (vLLM toy-proxy flow; per-request records)
-            proxy = _spawn(f"proxy-{self.conn.label}",
-                           [sys.executable, "-m", "turbowire.cli", "proxy", "--prefill",
-                            self.prefill_url, "--decode", self.decode_url, "--port",
-                            str(self.proxy_port)], dict(os.environ),
-                           self.workdir / f"{self.conn.label}-proxy.log",
-                           label=f"proxy ({self.conn.label})")
-            self.procs.append(proxy)
-            _wait_healthy(proxy, f"{self.proxy_url}/health", 60.0)
+            proxy = self._spawn(f"proxy-{self.conn.label}",
+                                proxy_command([self.prefill_url], [self.decode_url],
+                                              self.proxy_port),
+                                dict(os.environ), self.proxy_url,
+                                f"{self.conn.label}-proxy.log", f"proxy ({self.conn.label})")
+            proxy.wait_healthy(60.0)
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
-        self.procs.clear()
+        self.group.stop()
 
     def __enter__(self) -> "EnginePair":
         self.start()

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from connector_tiny_model import ensure_tiny_llama  # noqa: E402
 
-from turbowire.connector.launch import (  # noqa: E402
+from turbowire.serving.launch import (  # noqa: E402
     EngineSpec,
     ManagedProcess,
     ProcessGroup,

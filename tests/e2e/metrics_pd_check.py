@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+from support.prometheus_local import LocalPrometheus
 
 from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
-from turbowire.prometheus_local import LocalPrometheus
 
 # vLLM logs connector stats every VLLM_LOG_STATS_INTERVAL seconds (10 by default)
 LOG_INTERVAL_S = 10.0

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from turbowire.connector.launch import EngineSpec, free_port, start_engine
+from support.prometheus_local import LocalPrometheus
 
 from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
-from turbowire.prometheus_local import LocalPrometheus
+from turbowire.serving.launch import EngineSpec, free_port, start_engine
 
 pytestmark = pytest.mark.e2e
 

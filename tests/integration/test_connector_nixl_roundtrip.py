@@ -98,7 +98,7 @@ def make_caches(fp8: bool, fill_random: bool) -> dict[str, torch.Tensor]:
      ("tq4", 1, 8, False, True)],
 )
 def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, fp8):
-    from turbowire.connector.launch import free_port
+    from turbowire.serving.launch import free_port
 
     n = 100  # 3 full blocks + 4 tokens
     p_port = free_port()
@@ -207,7 +207,7 @@ def test_unservable_caches_are_refused_at_registration(case):
     """fp8 caches need vLLM's GPU layout and every layer's scales in the forward context; the
     worker says so when the caches are registered instead of failing inside a forward pass."""
     from turbowire.connector.geometry import GeometryError
-    from turbowire.connector.launch import free_port
+    from turbowire.serving.launch import free_port
 
     port = free_port()
     sched, worker = engine("tq4", port, f"P-refuse-{case}",

@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-from turbowire.prometheus_local import RULES_PATH, LocalPrometheus, PrometheusError, free_port
+from support.prometheus_local import RULES_PATH, LocalPrometheus, PrometheusError, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -133,7 +132,7 @@ def test_recording_rule_matches_exported_ratio() -> None:
 
 def test_dashboard_expressions_accepted_by_real_prometheus() -> None:
     """Every PromQL expression of the Grafana dashboard parses and evaluates in Prometheus."""
-    from turbowire.promql_check import dashboard_exprs, substitute_grafana_vars
+    from support.promql_check import dashboard_exprs, substitute_grafana_vars
 
     port = free_port()
     with LocalPrometheus({"self": [f"127.0.0.1:{port}"]}, port=port) as prom:

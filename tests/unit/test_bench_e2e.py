@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from turbowire.bench_e2e.engines import ConnectorConfig, EngineSettings, kv_transfer_config
-from turbowire.bench_e2e.link import LinkConfig, tbf_params
+from turbowire.bench_e2e.engines import (
+    ConnectorConfig,
+    EnginePair,
+    EngineSettings,
+    kv_transfer_config,
+)
+from turbowire.bench_e2e.link import EmulatedLink, LinkConfig, tbf_params
 from turbowire.bench_e2e.model import BenchModelSpec, make_prompt
 from turbowire.bench_e2e.results import (
     CellResult,
@@ -93,6 +98,25 @@ def test_connector_spec_parsing_and_kv_transfer_config() -> None:
     extra = t["kv_connector_extra_config"]
     assert (extra["preset"], extra["side_channel_host"], extra["side_channel_port"]) == (
         "k4v3", "10.0.0.2", 5611)
+
+
+def test_engine_pair_specs_put_each_side_on_its_link_address_and_core(tmp_path) -> None:
+    link = EmulatedLink()  # not created: only its names and addresses are read
+    pair = EnginePair(link, ConnectorConfig.parse("tw:tq4"), EngineSettings(tmp_path / "m"),
+                      tmp_path, tmp_path / "events.jsonl")
+    c = link.config
+    p, d = pair.engine_spec("prefill"), pair.engine_spec("decode")
+    assert (p.url, d.url) == (pair.prefill_url, pair.decode_url)
+    assert (p.host, d.host, p.cpu, d.cpu) == (c.root_addr, c.ns_addr, 0, 1)
+    assert "--enable-prefix-caching" in p.command()
+    assert "--no-enable-prefix-caching" in d.command()
+    cmd = d.command()
+    assert cmd[cmd.index("--served-model-name") + 1] == "bench"
+    assert cmd[cmd.index("--block-size") + 1] == "128"
+    env = d.environment()
+    assert (env["UCX_NET_DEVICES"], env["VLLM_NIXL_SIDE_CHANNEL_HOST"]) == (c.ns_if, c.ns_addr)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("1", "3")
+    assert env["TW_BENCH_ROLE"] == "D" and env["TW_BENCH_EVENTS"] == str(tmp_path / "events.jsonl")
 
 
 def test_engine_settings_reject_cpu_unfriendly_block_size(tmp_path) -> None:

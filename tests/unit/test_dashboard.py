@@ -8,20 +8,20 @@ import sys
 
 import pytest
 
-from turbowire.metrics_catalog import ENGINE_METRICS, PROXY_METRICS, exported_series_names
-from turbowire.promql_check import (
+from support.promql_check import (
     DASHBOARD_PATH as DASHBOARD,
 )
-from turbowire.promql_check import (
+from support.promql_check import (
     REPO_ROOT,
     dashboard_exprs,
     recording_rule_names,
     rule_exprs,
     selector_names,
 )
-from turbowire.promql_check import (
+from support.promql_check import (
     substitute_grafana_vars as _substitute,
 )
+from turbowire.metrics_catalog import ENGINE_METRICS, PROXY_METRICS, exported_series_names
 
 GENERATOR = REPO_ROOT / "deploy" / "grafana" / "generate.py"
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-import turbowire.connector.launch as launch
+import turbowire.connector as connector_pkg
+import turbowire.serving.launch as launch
 from turbowire.engine_log import find_root_cause, log_tail, read_root_cause, strip_ansi
 
 SITE = "/opt/venv/lib/python3.11/site-packages"
@@ -125,7 +126,7 @@ def test_non_turbowire_cause_is_found() -> None:
 def test_exception_raised_in_a_turbowire_frame_wins_over_the_chain_root() -> None:
     """A plain RuntimeError raised in a turbowire file (found by its source folder, as in an
     editable install) beats the ImportError it wraps, which Python prints first."""
-    worker = str(Path(launch.__file__).parent / "worker.py")
+    worker = str(Path(connector_pkg.__file__).parent / "worker.py")
     frames = core_frames(f"{SITE}/nixl/_api.py", "import nixl_cu12")
     ours = core_frames(worker, "raise RuntimeError(...) from exc")
     lines = [*frames, "ImportError: libcuda.so.1: cannot open shared object file", "",
@@ -319,16 +320,18 @@ def test_launcher_failure_without_cause_keeps_a_long_tail(tmp_path: Path) -> Non
     assert "INFO line 59" not in str(info.value)
 
 
-def test_bench_launcher_uses_the_same_class(tmp_path: Path) -> None:
+def test_bench_launcher_is_the_same_launcher(tmp_path: Path) -> None:
     from turbowire.bench_e2e import engines
 
     assert engines.EngineStartError is launch.EngineStartError
+    assert engines.spawn is launch.spawn and engines.ManagedProcess is launch.ManagedProcess
     log = tmp_path / "tw-raw-prefill.log"
     log.write_text(failed_log([BLOCK_LINE], f"{SITE}/vllm/v1/worker/utils.py", "raise X("))
     popen: Any = _ExitedPopen()
-    proc = engines.Proc("prefill-tw-raw", popen, log, label="prefill engine (tw-raw)")
+    proc = launch.ManagedProcess("prefill-tw-raw", popen, log, "http://127.0.0.1:1",
+                                 label="prefill engine (tw-raw)")
     with pytest.raises(launch.EngineStartError) as info:
-        engines._wait_healthy(proc, "http://127.0.0.1:1/health", 5)
+        proc.wait_healthy(5)
     assert str(info.value).startswith(
         f"prefill engine (tw-raw) failed to start: {BLOCK_LINE}\n  full log: {log}"
     )
@@ -337,8 +340,8 @@ def test_bench_launcher_uses_the_same_class(tmp_path: Path) -> None:
 def test_demo_cli_prints_cause_and_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    import turbowire.connector.demo as demo_mod
     import turbowire.models as models
+    import turbowire.serving.demo as demo_mod
     from turbowire.cli import app
 
     log = tmp_path / "prefill.log"

@@ -68,8 +68,9 @@ def test_readme_documents_every_metric_and_rule() -> None:
     import re
     from pathlib import Path
 
+    from support.promql_check import REPO_ROOT, rule_exprs
+
     from turbowire.metrics_catalog import PROXY_METRICS, markdown_table
-    from turbowire.promql_check import REPO_ROOT, rule_exprs
 
     readme = (REPO_ROOT / "README.md").read_text()
     for tag, specs in (("engine", ENGINE_METRICS), ("proxy", PROXY_METRICS)):

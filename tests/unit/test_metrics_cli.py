@@ -105,8 +105,9 @@ def test_cli_once_json_against_live_page() -> None:
 
 
 def test_cli_once_fails_on_unreachable_url() -> None:
+    from support.prometheus_local import free_port
+
     from turbowire.cli import app
-    from turbowire.prometheus_local import free_port
 
     res = CliRunner().invoke(app, ["metrics", "-u", f"http://127.0.0.1:{free_port()}", "--once"])
     assert res.exit_code == 1

@@ -56,7 +56,7 @@ def e2e(
     """
     from turbowire.bench_e2e.engines import ConnectorConfig
     from turbowire.bench_e2e.run import BenchPlan, run_bench
-    from turbowire.connector.launch import engine_lock
+    from turbowire.serving.launch import engine_lock
 
     try:
         conns = (tuple(ConnectorConfig.parse(c) for c in _csv(configs)) if configs

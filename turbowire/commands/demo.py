@@ -10,7 +10,7 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from turbowire.connector.launch import EngineStartError
+    from turbowire.serving.launch import EngineStartError
 
 
 def print_start_error(console: Console, exc: EngineStartError) -> None:
@@ -61,9 +61,9 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from turbowire.connector.codecs import known_presets
-        from turbowire.connector.demo import DEFAULT_PROMPTS, run_demo
-        from turbowire.connector.launch import EngineStartError
         from turbowire.models import ensure_smollm2
+        from turbowire.serving.demo import DEFAULT_PROMPTS, run_demo
+        from turbowire.serving.launch import EngineStartError
 
         console = Console()
         presets = known_presets()

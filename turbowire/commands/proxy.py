@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         """
         import uvicorn
 
-        from turbowire.connector.proxy import ProxyConfigError, build_app
+        from turbowire.serving.proxy import ProxyConfigError, build_app
 
         try:
             application = build_app(prefill, decode, timeout)

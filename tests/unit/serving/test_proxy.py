@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from turbowire.connector.proxy import ProxyConfigError, build_app, prefill_body
+from turbowire.serving.proxy import ProxyConfigError, build_app, prefill_body
 
 P_URLS = ["http://p0:8100", "http://p1:8100"]
 D_URLS = ["http://d0:8200"]

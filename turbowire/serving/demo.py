@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from turbowire.connector.launch import (
+from turbowire.serving.launch import (
     EngineSpec,
     ProcessGroup,
     engine_lock,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 DASHBOARD_PATH = REPO_ROOT / "deploy" / "grafana" / "turbowire.json"
 RULES_PATH = REPO_ROOT / "deploy" / "prometheus" / "rules.yaml"
 

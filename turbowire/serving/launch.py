@@ -1,4 +1,5 @@
-"""Start, watch and stop local vLLM engines (and the proxy) for the demo and the e2e tests.
+"""Start, watch and stop vLLM engines and the proxy: the one launcher of the demo, the e2e tests and
+the benchmarks (``bench/metrics_run.py``, ``turbowire.bench_e2e.engines``).
 
 Each process gets its own session (process group) so stopping kills every child it spawned;
 engines are pinned to their own core (``VLLM_CPU_OMP_THREADS_BIND``) with a small KV cache
@@ -126,12 +127,13 @@ def turbowire_kv_config(
 
 @dataclass
 class EngineSpec:
-    """One vLLM OpenAI server on localhost."""
+    """One vLLM OpenAI server (on localhost unless ``host`` says otherwise)."""
 
     name: str
     model: Path
     port: int
     cpu: int | None
+    host: str = "127.0.0.1"
     kv_transfer_config: dict[str, Any] | None = None
     kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     block_size: int = 32
@@ -146,7 +148,7 @@ class EngineSpec:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", self.host, "--port", str(self.port),
             "--dtype", "bfloat16",
             "--block-size", str(self.block_size),
             "--max-model-len", str(self.max_model_len),
@@ -178,7 +180,7 @@ class EngineSpec:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 @dataclass
@@ -221,7 +223,7 @@ class ManagedProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise self.start_error(f"not healthy after {timeout:.0f} s")
+        raise self.start_error(f"not healthy at {self.url}{path} after {timeout:.0f} s")
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the whole process group, SIGKILL it if it lingers."""
@@ -239,18 +241,32 @@ class ManagedProcess:
 
 
 def spawn(
-    name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: str, label: str = ""
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    url: str,
+    label: str = "",
+    *,
+    log_name: str | None = None,
+    cwd: Path | None = None,
 ) -> ManagedProcess:
+    """Start ``cmd`` in its own session, stdout and stderr to ``log_dir/<log_name>``.
+
+    ``log_name`` defaults to ``<name>.log``. ``cwd`` defaults to ``log_dir``: not the repository
+    root, whose top-level folders (kernels/, codec/) would shadow PyPI packages of the same name
+    (transformers probes ``import kernels``); a caller whose command or environment holds paths
+    relative to its own working directory passes ``cwd=Path.cwd()``.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}.log"
+    log_path = log_dir / (log_name or f"{name}.log")
     with open(log_path, "wb") as log:
-        # cwd: not the repository root, whose top-level folders (kernels/, codec/) would
-        # shadow PyPI packages of the same name (transformers probes `import kernels`).
         popen = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            cwd=str(log_dir),
+            cwd=str(log_dir if cwd is None else cwd),
         )
     logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+    logger.debug("%s: %s", name, " ".join(cmd))
     return ManagedProcess(name, popen, log_path, url, label)
 
 
@@ -260,14 +276,20 @@ def start_engine(spec: EngineSpec, log_dir: Path) -> ManagedProcess:
     )
 
 
-def start_proxy(
-    prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int, log_dir: Path
-) -> ManagedProcess:
+def proxy_command(prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int) -> list[str]:
+    """``turbowire proxy`` on 127.0.0.1:``port`` in front of these engines."""
     cmd = [sys.executable, "-m", "turbowire.cli", "proxy", "--port", str(port)]
     for url in prefill_urls:
         cmd += ["--prefill", url]
     for url in decode_urls:
         cmd += ["--decode", url]
+    return cmd
+
+
+def start_proxy(
+    prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int, log_dir: Path
+) -> ManagedProcess:
+    cmd = proxy_command(prefill_urls, decode_urls, port)
     return spawn("proxy", cmd, dict(os.environ), log_dir, f"http://127.0.0.1:{port}")
 
 

@@ -29,7 +29,7 @@ import httpx
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 RULES_PATH = REPO_ROOT / "deploy" / "prometheus" / "rules.yaml"
 
 
