@@ -1,14 +1,54 @@
 """turbowire.kernels: the codec fused with vLLM's paged KV layouts (gather+encode, decode+scatter).
 
-``encode_into`` / ``decode_into`` pick the implementation: Triton kernels for CUDA caches, the
-reference codec with vectorised torch gather/scatter elsewhere.
+This package is the only place that knows paged cache layouts and picks an implementation.
+
+The front door (``kernels/dispatch.py``, re-exported here):
+
+* ``encode_into`` / ``decode_into``: the items (``EncodeItem`` / ``DecodeItem``, defined in
+  ``kernels/items.py``) of one layer;
+* ``encode_layers_into`` / ``decode_layers_into``: several layers of one model in one call.
+
+Each call picks the implementation for the cache at hand (``impl="auto"``); all of them write the
+same bytes as the reference codec and raise the same exceptions:
+
+* Triton (``triton_dispatch`` host side, ``triton_codec`` kernels) for CUDA caches; the
+  multi-layer variants batch all layers in one launch per layer policy;
+* the C codec (``cpu_dispatch`` over the extension built from ``kernels/cpu/``) for CPU
+  bf16/fp16 caches when it is built and applies;
+* the reference (``turbowire.codec`` with vectorised torch gather/scatter) everywhere else; on
+  CPU the multi-layer variants loop over the per-layer calls.
+
+Layouts: ``PagedKVLayout`` (``kernels/paged.py``) describes vLLM's paged caches (gather/scatter
+of the reference path). The CPU attention layouts module, ``kernels/cpu_attn_layout.py``
+(``CpuAttnKVLayout``, ``cpu_attn_layout``), learns where vLLM's CPU attention backend really
+keeps each token's K and V in a block (the ``vec`` / ``vec16`` / ``amx`` placements) by probing
+vLLM's own write op; the C codec serves its strided and tiled placements, the reference any
+other. ``kernels/fp8_cache.py`` handles fp8 e4m3 caches (``KVScales``); ``kernels/quant_lut.py``
+holds the Triton encoder's Lloyd-Max lookup table.
+
+Module graph: ``items`` and ``paged`` are leaves; ``dispatch`` imports the implementations, which
+never import ``dispatch`` (tests/unit/test_kernels_imports.py checks it).
 """
 
-from turbowire.kernels.dispatch import DecodeItem, EncodeItem, decode_into, encode_into
+from turbowire.kernels.dispatch import (
+    decode_into,
+    decode_layers_into,
+    encode_into,
+    encode_layers_into,
+)
 from turbowire.kernels.fp8_cache import KVScales
+from turbowire.kernels.items import DecodeItem, EncodeItem
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
 
 __all__ = [
-    "PagedKVLayout", "EncodeItem", "DecodeItem", "encode_into", "decode_into",
-    "BlockIndexError", "CacheLayoutError", "KVScales",
+    "BlockIndexError",
+    "CacheLayoutError",
+    "DecodeItem",
+    "EncodeItem",
+    "KVScales",
+    "PagedKVLayout",
+    "decode_into",
+    "decode_layers_into",
+    "encode_into",
+    "encode_layers_into",
 ]

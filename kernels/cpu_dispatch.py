@@ -19,7 +19,7 @@ import importlib.util
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,10 +38,8 @@ from turbowire.codec.rotation import sign_tables
 from turbowire.codec.streams import StreamSpec, stream_layout
 from turbowire.codec.wire import DTYPE_CODES, parse_header, verify_body
 from turbowire.kernels.cpu_attn_layout import CpuAttnKVLayout
+from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
 from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
-
-if TYPE_CHECKING:
-    from turbowire.kernels.dispatch import DecodeItem, EncodeItem
 
 logger = logging.getLogger(__name__)
 
@@ -532,15 +530,13 @@ def _raise_encode(
     staging: torch.Tensor,
     err: _Error,
 ) -> None:
-    from turbowire.kernels.dispatch import _check_range
-
     _raise_common(err.code, err.detail)
     item = items[err.item] if 0 <= err.item < len(items) else None
     if item is not None and err.code == E_BLOCK:
         layout.token_index(item.block_ids, item.token_start, item.num_tokens)
         raise BlockIndexError(f"bad block ids or token range in item {err.item}")
     if item is not None and err.code == E_RANGE:
-        _check_range(staging, int(item.out_offset), int(err.detail), "staging")
+        check_range(staging, int(item.out_offset), int(err.detail), "staging")
     raise CpuKernelError(f"C encoder refused item {err.item} (code {err.code})")
 
 
@@ -552,15 +548,13 @@ def _raise_decode(
     source: torch.Tensor,
     err: _Error,
 ) -> None:
-    from turbowire.kernels.dispatch import _check_range
-
     _raise_common(err.code, err.detail)
     item = items[err.item] if 0 <= err.item < len(items) else None
     if item is None:
         raise CpuKernelError(f"C decoder refused the call (code {err.code})")
     where = f"item {err.item} (tokens {item.token_start}..{item.token_start + item.num_tokens})"
     if err.code == E_RANGE:
-        _check_range(source, int(item.in_offset), int(item.nbytes), "source")
+        check_range(source, int(item.in_offset), int(item.nbytes), "source")
     elif err.code == E_BLOCK:
         layout.token_index(item.block_ids, item.token_start, item.num_tokens)
         raise BlockIndexError(f"bad block ids or token range in {where}")

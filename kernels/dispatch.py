@@ -1,60 +1,55 @@
-"""One entry point per direction that picks the implementation for the cache at hand.
+"""The front door: one entry point per direction, and its multi-layer variant, that picks the
+implementation for the cache at hand.
 
-On CPU (and wherever no Triton kernel applies) the reference codec with vectorised torch
-gather/scatter serves; the Triton kernels plug in here for CUDA caches.
+* ``encode_into`` / ``decode_into``: the items of one layer.
+* ``encode_layers_into`` / ``decode_layers_into``: several layers of one model in one call
+  (jobs of ``(layer, kv_cache, layout, items)``).
+
+Implementations, chosen per call by ``impl`` ("auto" unless a test or benchmark pins one):
+
+* ``triton_dispatch`` for CUDA caches (also on CPU under ``TRITON_INTERPRET=1`` with
+  ``impl="triton"``); the multi-layer variants batch all layers in one launch per layer policy.
+* ``cpu_dispatch``, the C codec (kernels/cpu/), for CPU bf16/fp16 caches where it is built and
+  applies (``impl="cpu"`` requires it).
+* the reference codec (``turbowire.codec``) with vectorised torch gather/scatter elsewhere
+  (``impl="reference"``).
+
+All of them write the same bytes and raise the same exceptions. The items and their range check
+live in ``kernels/items.py``; the implementations import them from there, never from here.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-
 from turbowire.codec import Codec
-from turbowire.kernels import fp8_cache
+from turbowire.kernels import cpu_dispatch, fp8_cache, triton_dispatch
 from turbowire.kernels.fp8_cache import KVScales
-from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
+from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
+from turbowire.kernels.paged import PagedKVLayout
+
+__all__ = [
+    "DecodeItem",
+    "EncodeItem",
+    "check_range",
+    "decode_into",
+    "decode_layers_into",
+    "encode_into",
+    "encode_layers_into",
+]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class EncodeItem:
-    """Encode tokens [token_start, token_start + num_tokens) of a request as one chunk."""
-
-    block_ids: Sequence[int] | torch.Tensor
-    token_start: int
-    num_tokens: int
-    out_offset: int
-    tag: int = 0
-
-
-@dataclass(frozen=True)
-class DecodeItem:
-    """Decode the chunk at source[in_offset : in_offset + nbytes] into those tokens' slots."""
-
-    block_ids: Sequence[int] | torch.Tensor
-    token_start: int
-    num_tokens: int
-    in_offset: int
-    nbytes: int
-    expected_tag: int | None = None
-
-
-def _check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None:
-    if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
-        raise BlockIndexError(
-            f"{what} range {offset}..{offset + nbytes} is outside the {buf.numel()}-byte buffer"
-        )
+EncodeJob = tuple[int, torch.Tensor, PagedKVLayout, Sequence[EncodeItem]]
+DecodeJob = tuple[int, torch.Tensor, PagedKVLayout, Sequence[DecodeItem]]
 
 
 def _use_triton(impl: str, codec: Codec, kv_cache: torch.Tensor) -> bool:
     """impl: "auto" (Triton for CUDA caches), "triton" (also on CPU under TRITON_INTERPRET=1,
     for tests) or "reference"."""
-    from turbowire.kernels import triton_dispatch
-
     if impl not in ("auto", "triton", "cpu", "reference"):
         raise ValueError(f"impl must be 'auto', 'triton', 'cpu' or 'reference', got {impl!r}")
     return impl == "triton" or (impl == "auto" and triton_dispatch.applies(codec, kv_cache))
@@ -64,8 +59,6 @@ def _use_cpu(impl: str, codec: Codec, kv_cache: torch.Tensor, layout: PagedKVLay
              buf: torch.Tensor) -> bool:
     """The C codec (kernels/cpu/, same bytes) for CPU bf16/fp16 caches: "auto" when it applies
     and is built, "cpu" always (refused with CpuKernelError where it cannot serve)."""
-    from turbowire.kernels import cpu_dispatch
-
     if impl == "cpu":
         cpu_dispatch.require_applicable(codec, kv_cache, layout, buf)
         return True
@@ -88,16 +81,12 @@ def encode_into(
 
     fp8 caches (float8_e4m3fn or uint8 bits) need the layer's ``kv_scales`` = (k_scale,
     v_scale); their values are coded as bf16 (``kernels/fp8_cache.py``)."""
-    from turbowire.kernels import triton_dispatch
-
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
         return triton_dispatch.encode_into(
             codec, layer, kv_cache, layout, items, staging, kernel_config, kv_scales=scales
         )
     if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, staging):
-        from turbowire.kernels import cpu_dispatch
-
         return cpu_dispatch.encode_into(codec, layer, kv_cache, layout, items, staging)
     written = []
     for item in items:
@@ -106,7 +95,7 @@ def encode_into(
             ks, vs = scales.as_fp32()
             k, v = fp8_cache.dequantize(k, ks), fp8_cache.dequantize(v, vs)
         enc = codec.encode(layer, k, v, tag=item.tag, token_offset=item.token_start)
-        _check_range(staging, item.out_offset, enc.nbytes, "staging")
+        check_range(staging, item.out_offset, enc.nbytes, "staging")
         staging[item.out_offset : item.out_offset + enc.nbytes] = enc.data.to(staging.device)
         written.append(enc.nbytes)
     return written
@@ -127,21 +116,17 @@ def decode_into(
     """Verify and decode every item, then scatter them; nothing is written if any item fails.
 
     fp8 caches need the layer's ``kv_scales`` (see ``encode_into``)."""
-    from turbowire.kernels import triton_dispatch
-
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
         triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
                                     kv_scales=scales)
         return
     if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, source):
-        from turbowire.kernels import cpu_dispatch
-
         cpu_dispatch.decode_into(codec, layer, kv_cache, layout, items, source)
         return
     decoded = []
     for item in items:
-        _check_range(source, item.in_offset, item.nbytes, "source")
+        check_range(source, item.in_offset, item.nbytes, "source")
         data = source[item.in_offset : item.in_offset + item.nbytes]
         k, v = codec.decode(
             layer, data, expected_tag=item.expected_tag, expected_tokens=item.num_tokens,
@@ -157,3 +142,76 @@ def decode_into(
         kv_cache = fp8_cache.as_e4m3(kv_cache)
     for item, k, v in decoded:
         layout.scatter(kv_cache, item.block_ids, item.token_start, k, v)
+
+
+def _per_job_scales(n_jobs: int, kv_scales: Sequence[Any] | None) -> list[Any]:
+    scales = list(kv_scales) if kv_scales is not None else [None] * n_jobs
+    if len(scales) != n_jobs:
+        raise ValueError(f"kv_scales has {len(scales)} entries for {n_jobs} layers")
+    return scales
+
+
+def encode_layers_into(
+    codec: Codec,
+    jobs: Sequence[EncodeJob],
+    staging: torch.Tensor,
+    *,
+    impl: str = "auto",
+    kernel_config: Any = None,
+    kv_scales: Sequence[KVScales | tuple[float, float] | None] | None = None,
+) -> list[list[int]]:
+    """Encode several layers of one model into ``staging``; bytes written per item, per job.
+
+    ``jobs`` are ``(layer, kv_cache, layout, items)``; all caches must share dtype, device and
+    geometry (one model). fp8 caches need ``kv_scales``, one (k_scale, v_scale) per job.
+
+    The implementation is picked here from the first job's cache, as ``encode_into`` picks it:
+    Triton (CUDA caches, or ``impl="triton"``) encodes all jobs with one launch per distinct
+    layer policy (``triton_dispatch.encode_layers_into``); everywhere else (the C codec, the
+    reference) this is a loop over ``encode_into``, one job at a time. The bytes are the same
+    either way: those of one ``encode_into`` per job."""
+    scales = _per_job_scales(len(jobs), kv_scales)
+    if not jobs:
+        return []
+    if _use_triton(impl, codec, jobs[0][1]):
+        resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
+                    in zip(jobs, scales)]
+        return triton_dispatch.encode_layers_into(codec, jobs, staging, kernel_config,
+                                                  kv_scales=resolved)
+    return [
+        encode_into(codec, layer, cache, layout, items, staging, impl=impl,
+                    kernel_config=kernel_config, kv_scales=sc)
+        for (layer, cache, layout, items), sc in zip(jobs, scales)
+    ]
+
+
+def decode_layers_into(
+    codec: Codec,
+    jobs: Sequence[DecodeJob],
+    source: torch.Tensor,
+    *,
+    impl: str = "auto",
+    kernel_config: Any = None,
+    kv_scales: Sequence[KVScales | tuple[float, float] | None] | None = None,
+) -> None:
+    """Verify, decode and scatter several layers of one model (jobs as in
+    ``encode_layers_into``); fp8 caches need ``kv_scales``, one per job.
+
+    The implementation is picked here from the first job's cache, as ``decode_into`` picks it:
+    Triton verifies every chunk of every job in one launch, then decodes with one launch per
+    distinct layer policy (``triton_dispatch.decode_layers_into``), and writes nothing if any
+    chunk fails. Everywhere else this is a loop over ``decode_into``, one job at a time: each
+    job is all-or-nothing, but a failing job leaves the jobs before it decoded. The exception
+    raised for a bad chunk is the same on both paths."""
+    scales = _per_job_scales(len(jobs), kv_scales)
+    if not jobs:
+        return
+    if _use_triton(impl, codec, jobs[0][1]):
+        resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
+                    in zip(jobs, scales)]
+        triton_dispatch.decode_layers_into(codec, jobs, source, kernel_config,
+                                           kv_scales=resolved)
+        return
+    for (layer, cache, layout, items), sc in zip(jobs, scales):
+        decode_into(codec, layer, cache, layout, items, source, impl=impl,
+                    kernel_config=kernel_config, kv_scales=sc)

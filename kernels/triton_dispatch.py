@@ -2,7 +2,9 @@
 
 ``encode_into`` / ``decode_into`` (one layer) and ``encode_layers_into`` / ``decode_layers_into``
 (several layers of one model in as few launches as possible: one per distinct layer policy)
-take the same items as the reference dispatch. Everything a peer can influence is checked on the
+take the same items (``kernels/items.py``) as the reference; callers reach them through the front
+door (``turbowire.kernels.encode_into`` / ``encode_layers_into`` ..., ``kernels/dispatch.py``),
+which picks this implementation for CUDA caches. Everything a peer can influence is checked on the
 host before a launch (block ids, token ranges, buffer ranges); chunk headers and body checksums
 are checked on the GPU by ``verify_kernel`` and the decode kernel writes nothing unless every
 chunk of the call verified. Decoding reads one int32 status per chunk back to the host (one
@@ -16,7 +18,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -27,11 +29,9 @@ from turbowire.codec.packing import plane_widths
 from turbowire.codec.rotation import sign_tables
 from turbowire.codec.wire import HEADER_BYTES
 from turbowire.kernels.fp8_cache import KVScales, is_fp8_cache
+from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.quant_lut import lut_tables
-
-if TYPE_CHECKING:
-    from turbowire.kernels.dispatch import DecodeItem, EncodeItem
 
 logger = logging.getLogger(__name__)
 
@@ -363,10 +363,8 @@ class _BlockTable:
 
 
 def _check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None:
-    if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
-        raise BlockIndexError(
-            f"{what} range {offset}..{offset + nbytes} is outside the {buf.numel()}-byte buffer"
-        )
+    """The front door's range check (``items.check_range``) plus the kernels' 16-byte alignment."""
+    check_range(buf, offset, nbytes, what)
     if offset % 16:
         raise StagingAlignmentError(
             f"{what} offset {offset} is not a multiple of 16 bytes (the Triton kernels need it)"
@@ -492,7 +490,7 @@ class EncodePlan:
     def __init__(
         self,
         codec: Codec,
-        jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["EncodeItem"]]],
+        jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence[EncodeItem]]],
         staging: torch.Tensor,
         config: KernelConfig | None = None,
         kv_scales: Sequence[KVScales | None] | None = None,
@@ -587,7 +585,7 @@ class DecodePlan:
     def __init__(
         self,
         codec: Codec,
-        jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["DecodeItem"]]],
+        jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence[DecodeItem]]],
         source: torch.Tensor,
         config: KernelConfig | None = None,
         kv_scales: Sequence[KVScales | None] | None = None,
@@ -597,7 +595,7 @@ class DecodePlan:
         self.source = source
         self._calls: list[tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
         self.compiled: list[Any] = []  # the kernels of the last launch (registers, spills)
-        self._refs: list[tuple[int, "DecodeItem", PagedKVLayout]] = []
+        self._refs: list[tuple[int, DecodeItem, PagedKVLayout]] = []
         self.status: torch.Tensor | None = None
         self.fails: torch.Tensor | None = None
         if not jobs:
@@ -711,7 +709,7 @@ def encode_into(
     layer: int,
     kv_cache: torch.Tensor,
     layout: PagedKVLayout,
-    items: Sequence["EncodeItem"],
+    items: Sequence[EncodeItem],
     staging: torch.Tensor,
     config: KernelConfig | None = None,
     kv_scales: KVScales | None = None,
@@ -723,7 +721,7 @@ def encode_into(
 
 def encode_layers_into(
     codec: Codec,
-    jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["EncodeItem"]]],
+    jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence[EncodeItem]]],
     staging: torch.Tensor,
     config: KernelConfig | None = None,
     kv_scales: Sequence[KVScales | None] | None = None,
@@ -742,7 +740,7 @@ def decode_into(
     layer: int,
     kv_cache: torch.Tensor,
     layout: PagedKVLayout,
-    items: Sequence["DecodeItem"],
+    items: Sequence[DecodeItem],
     source: torch.Tensor,
     config: KernelConfig | None = None,
     kv_scales: KVScales | None = None,
@@ -754,7 +752,7 @@ def decode_into(
 
 def decode_layers_into(
     codec: Codec,
-    jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence["DecodeItem"]]],
+    jobs: Sequence[tuple[int, torch.Tensor, PagedKVLayout, Sequence[DecodeItem]]],
     source: torch.Tensor,
     config: KernelConfig | None = None,
     kv_scales: Sequence[KVScales | None] | None = None,
@@ -768,7 +766,7 @@ def decode_layers_into(
 
 
 def _raise_like_reference(
-    codec: Codec, layer: int, item: "DecodeItem", layout: PagedKVLayout, source: torch.Tensor,
+    codec: Codec, layer: int, item: DecodeItem, layout: PagedKVLayout, source: torch.Tensor,
     code: int,
 ) -> None:
     """Re-check a chunk the GPU refused with the reference decoder to raise its exception."""
