@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv test test-unit demo eval bench-kernels bench-e2e clean
+.PHONY: setup system-deps venv lint test test-unit demo eval bench-kernels bench-e2e clean
 
 # build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
 APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
@@ -40,7 +40,11 @@ venv: $(VENV)/.installed $(VENV)/.cpu-codec
 setup: system-deps venv
 	$(VENV)/bin/turbowire models prepare
 
-test: setup
+# ruff (pyproject.toml [tool.ruff]: line length 100, pyflakes, pycodestyle, import order)
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: setup lint
 	$(PY) -m pytest -q tests
 
 test-unit: venv

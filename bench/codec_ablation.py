@@ -41,7 +41,9 @@ def exact(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def methods(mut: ModelUnderTest) -> list:
     d, n = mut.head_dim, mut.num_layers
 
-    def preset(name: str, k: StreamSpec, v: StreamSpec, boundary: LayerPolicy | None = None) -> CodecMethod:
+    def preset(
+        name: str, k: StreamSpec, v: StreamSpec, boundary: LayerPolicy | None = None
+    ) -> CodecMethod:
         p = Preset(name, 2, name, LayerPolicy(k, v), boundary, 2 if boundary else 0)
         return CodecMethod(p, d, n)
 
@@ -51,22 +53,31 @@ def methods(mut: ModelUnderTest) -> list:
         preset("K: LM4 + sink", k_spec(4, False, 1), RAW),
         preset("K: LM4 + mean + sink (turbowire)", k_spec(4, True, 1), RAW),
         preset("K: LM3 + mean + sink (turbowire)", k_spec(3, True, 1), RAW),
-        SimulatedMethod("K: vLLM 4-bit (no signs) (repro)", "reproduction", lambda k: vllm_lloyd_key(k, 4), exact, n),
-        SimulatedMethod("K: vLLM 3-bit (no signs) (repro)", "reproduction", lambda k: vllm_lloyd_key(k, 3), exact, n),
-        SimulatedMethod("K: KIVI-4 per-channel G32", "baseline", lambda k: uniform_per_channel(k, 4, 32), exact, n),
+        SimulatedMethod("K: vLLM 4-bit (no signs) (repro)", "reproduction",
+                        lambda k: vllm_lloyd_key(k, 4), exact, n),
+        SimulatedMethod("K: vLLM 3-bit (no signs) (repro)", "reproduction",
+                        lambda k: vllm_lloyd_key(k, 3), exact, n),
+        SimulatedMethod("K: KIVI-4 per-channel G32", "baseline",
+                        lambda k: uniform_per_channel(k, 4, 32), exact, n),
         preset("V: LM4", RAW, StreamSpec("lloyd", bits=4)),
-        SimulatedMethod("V: uniform-4 per vector", "baseline", exact, lambda v: uniform_per_vector(v, 4), n),
+        SimulatedMethod("V: uniform-4 per vector", "baseline", exact,
+                        lambda v: uniform_per_vector(v, 4), n),
         preset("V: LM3", RAW, StreamSpec("lloyd", bits=3)),
-        SimulatedMethod("V: uniform-3 per vector", "baseline", exact, lambda v: uniform_per_vector(v, 3), n),
+        SimulatedMethod("V: uniform-3 per vector", "baseline", exact,
+                        lambda v: uniform_per_vector(v, 3), n),
         preset("V: LM3 + sink (turbowire)", RAW, StreamSpec("lloyd", bits=3, sink_tokens=1)),
-        preset("V: LM3 + mean + sink", RAW, StreamSpec("lloyd", bits=3, center=True, sink_tokens=1)),
+        preset("V: LM3 + mean + sink", RAW,
+               StreamSpec("lloyd", bits=3, center=True, sink_tokens=1)),
         preset("tq3", k_spec(3, True, 1), StreamSpec("lloyd", bits=3, sink_tokens=1)),
-        preset("tq3 + first/last 2 layers tq4", k_spec(3, True, 1), StreamSpec("lloyd", bits=3, sink_tokens=1),
+        preset("tq3 + first/last 2 layers tq4", k_spec(3, True, 1),
+               StreamSpec("lloyd", bits=3, sink_tokens=1),
                LayerPolicy(k_spec(4, True, 1), StreamSpec("lloyd", bits=4, sink_tokens=1))),
     ]
     for m in out:
         if isinstance(m, CodecMethod):
-            m.family = "turbowire" if "turbowire" in m.name or m.name.startswith("tq3") else "ablation"
+            m.family = (
+                "turbowire" if "turbowire" in m.name or m.name.startswith("tq3") else "ablation"
+            )
     return out
 
 
@@ -96,7 +107,9 @@ def head_dim_256_table(samples: int = 20000) -> list[tuple[str, int, float, floa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
@@ -114,14 +127,17 @@ def main() -> None:
 
     mut = ModelUnderTest()
     start = time.time()
-    results = evaluate(methods(mut), EvalConfig(prompt_lengths=(args.prompt_len,), windows=args.windows,
-                       threads=args.threads), mut,
-                       progress=lambda s, a, b: print(f"{s} window {a}/{b} {time.time() - start:.0f}s", file=sys.stderr))
+    results = evaluate(methods(mut),
+                       EvalConfig(prompt_lengths=(args.prompt_len,), windows=args.windows,
+                                  threads=args.threads), mut,
+                       progress=lambda s, a, b: print(
+                           f"{s} window {a}/{b} {time.time() - start:.0f}s", file=sys.stderr))
     t = Table(title=f"ablations, P={args.prompt_len}, {args.windows} windows")
     for c in ["method", "bits/elem", "KL (95% CI)", "top-1"]:
         t.add_column(c)
     for r in results:
-        t.add_row(r.name, f"{r.bits_per_element:.3f}", f"{r.kl_mean:.5f} ± {r.kl_ci95:.5f}", f"{r.top1_mean * 100:.1f}%")
+        t.add_row(r.name, f"{r.bits_per_element:.3f}", f"{r.kl_mean:.5f} ± {r.kl_ci95:.5f}",
+                  f"{r.top1_mean * 100:.1f}%")
     console.print(t)
 
 

@@ -34,6 +34,7 @@ from functools import partial
 import torch
 from rich.console import Console
 from rich.table import Table
+
 from turbowire.codec import Codec, list_presets
 from turbowire.kernels import (
     DecodeItem,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -72,7 +71,8 @@ DEVICE = "cuda"
 SMOKE = os.environ.get("TW_BENCH_SMOKE") == "1"  # CPU + Triton interpreter, tiny shapes
 if SMOKE:
     DEVICE = "cpu"
-    MODELS = {"Llama-3.1-8B": dict(layers=2, heads=2, dim=128), "SmolLM2-135M": dict(layers=2, heads=3, dim=64)}
+    MODELS = {"Llama-3.1-8B": dict(layers=2, heads=2, dim=128),
+              "SmolLM2-135M": dict(layers=2, heads=3, dim=64)}
     TOKENS = 64
     CHUNK = 32
 
@@ -147,7 +147,8 @@ class CheckCase:
     @property
     def name(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in self.config.items())
-        return f"{self.preset} hd{self.dim} H{self.heads} {self.layout} {self.dtype} {extra}".strip()
+        return (f"{self.preset} hd{self.dim} H{self.heads} {self.layout} {self.dtype} "
+                f"{extra}").strip()
 
 
 def run_check(case: CheckCase) -> dict[str, Any]:
@@ -159,7 +160,8 @@ def run_check(case: CheckCase) -> dict[str, Any]:
         cfg = KernelConfig(**case.config)
         layers = 2
         nb = 40
-        big, caches = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, seed=7)
+        big, caches = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE,
+                                  seed=7)
         layout = PagedKVLayout.from_cache(caches[0])
         codec = Codec(case.preset, case.dim, layers)
         gen = torch.Generator().manual_seed(5)
@@ -175,7 +177,8 @@ def run_check(case: CheckCase) -> dict[str, Any]:
         ref = torch.zeros(total, dtype=torch.uint8, device=DEVICE)
         tri = torch.full((total,), 0xA5, dtype=torch.uint8, device=DEVICE)
         for layer in range(layers):
-            encode_into(codec, layer, caches[layer], layout, enc[layer], ref, impl="reference", **kw)
+            encode_into(codec, layer, caches[layer], layout, enc[layer], ref, impl="reference",
+                        **kw)
         if DEVICE == "cuda" or os.environ.get("TW_BENCH_CPUREF") == "1":
             # informative: the reference on the CPU should write the same bytes as on the GPU
             try:
@@ -192,8 +195,8 @@ def run_check(case: CheckCase) -> dict[str, Any]:
                 out["cpu_ref_equal"] = f"{type(exc).__name__}: {exc}"
 
         t1 = time.time()
-        written = EncodePlan(codec, [(i, caches[i], layout, enc[i]) for i in range(layers)], tri, cfg,
-                             scales)
+        written = EncodePlan(codec, [(i, caches[i], layout, enc[i]) for i in range(layers)], tri,
+                             cfg, scales)
         written.launch()
         sync()
         out["compile_encode_s"] = round(time.time() - t1, 2)
@@ -204,15 +207,19 @@ def run_check(case: CheckCase) -> dict[str, Any]:
                 b = tri[it.out_offset : it.out_offset + n]
                 if not torch.equal(a, b):
                     diff = (a != b).nonzero().flatten()
-                    bad.append(f"layer {layer} chunk@{it.token_start}: {diff.numel()} bytes differ, "
+                    bad.append(f"layer {layer} chunk@{it.token_start}: "
+                               f"{diff.numel()} bytes differ, "
                                f"first at {int(diff[0])}/{n}")
         out["encode_bitexact"] = not bad
         out["encode_mismatch"] = bad[:4]
         dec = decode_items(enc, written.written, dst_ids)
-        _, dst_ref = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
-        big_tri, dst_tri = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
+        _, dst_ref = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE,
+                                 fill=7.0)
+        big_tri, dst_tri = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE,
+                                       fill=7.0)
         for layer in range(layers):
-            decode_into(codec, layer, dst_ref[layer], layout, dec[layer], ref, impl="reference", **kw)
+            decode_into(codec, layer, dst_ref[layer], layout, dec[layer], ref, impl="reference",
+                        **kw)
         t2 = time.time()
         plan = DecodePlan(codec, [(i, dst_tri[i], layout, dec[i]) for i in range(layers)], tri, cfg,
                           scales)
@@ -237,10 +244,11 @@ def run_check(case: CheckCase) -> dict[str, Any]:
                                and bool((v[~touched].float() == 7.0).all()))
         # a corrupted chunk is refused and nothing is written
         tri[dec[1][1].in_offset + 200] ^= 0x40
-        _, dst_bad = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE, fill=7.0)
+        _, dst_bad = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE,
+                                 fill=7.0)
         try:
-            p = DecodePlan(codec, [(i, dst_bad[i], layout, dec[i]) for i in range(layers)], tri, cfg,
-                           scales)
+            p = DecodePlan(codec, [(i, dst_bad[i], layout, dec[i]) for i in range(layers)], tri,
+                           cfg, scales)
             p.launch()
             p.check()
             out["corruption_refused"] = False
@@ -333,13 +341,15 @@ def run_model(name: str, geom: dict[str, int], presets: list[str], layout: str,
     base = copy_baselines(dense)
     # the paged gather of the same blocks (all layers, K and V) into a contiguous buffer
     rows = (big.view(torch.uint8) if big.element_size() == 1 else big).view(layers * 2 * nb, -1)
-    gidx = torch.tensor([(l * 2 + kv) * nb + b for l in range(layers) for kv in range(2) for b in ids],
+    gidx = torch.tensor([(layer * 2 + kv) * nb + b
+                         for layer in range(layers) for kv in range(2) for b in ids],
                         device=DEVICE)
     gout = torch.empty(gidx.numel(), rows.shape[1], dtype=rows.dtype, device=DEVICE)
     gather_ms = bench_ms(lambda: torch.index_select(rows, 0, gidx, out=gout))
     base["gather_ms"] = gather_ms
     base["gather_GBps"] = 2 * dense / gather_ms / 1e6
-    log(f"{name} {layout} {str(cache_dtype).replace('torch.', '')}: dense {dense / 1e6:.1f} MB; copy {base['copy_GBps']:.0f} GB/s, "
+    log(f"{name} {layout} {str(cache_dtype).replace('torch.', '')}: "
+        f"dense {dense / 1e6:.1f} MB; copy {base['copy_GBps']:.0f} GB/s, "
         f"paged gather {base['gather_GBps']:.0f} GB/s")
     results = [] if results is None else results
     chunks = [(c, CHUNK) for c in range(0, TOKENS, CHUNK)]
@@ -425,17 +435,21 @@ def _time_preset(name, preset, layout, layers, heads, dim, caches, dst, layout_o
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = ("| model | layout | preset | ratio | encode ms | enc GB/s eff | enc dense GB/s | enc % copy "
-            "| enc per-layer ms | enc graph ms | decode ms | dec GB/s eff | dec dense GB/s | dec % copy "
+    head = ("| model | layout | preset | ratio | encode ms | enc GB/s eff | enc dense GB/s "
+            "| enc % copy "
+            "| enc per-layer ms | enc graph ms | decode ms | dec GB/s eff | dec dense GB/s "
+            "| dec % copy "
             "| dec per-layer ms | api enc ms | copy GB/s | paged gather GB/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         g = r.get("enc_graph_ms")
         lines.append(
-            f"| {r['model']} | {r['layout']} | {r['preset']} | {r['ratio']:.2f} | {r['enc_batched_ms']:.3f} "
+            f"| {r['model']} | {r['layout']} | {r['preset']} | {r['ratio']:.2f} "
+            f"| {r['enc_batched_ms']:.3f} "
             f"| {r['enc_batched_eff_GBps']:.0f} | {r['enc_batched_dense_GBps']:.0f} "
             f"| {100 * r['enc_batched_vs_copy']:.0f}% | {r['enc_layer_ms']:.3f} | "
-            f"{'%.3f' % g if g else '-'} | {r['dec_batched_ms']:.3f} | {r['dec_batched_eff_GBps']:.0f} "
+            f"{'%.3f' % g if g else '-'} | {r['dec_batched_ms']:.3f} "
+            f"| {r['dec_batched_eff_GBps']:.0f} "
             f"| {r['dec_batched_dense_GBps']:.0f} | {100 * r['dec_batched_vs_copy']:.0f}% "
             f"| {r['dec_layer_ms']:.3f} | {r['enc_api_ms']:.2f} | {r['copy_GBps']:.0f} "
             f"| {r['gather_GBps']:.0f} |"
@@ -446,7 +460,8 @@ def table(results: list[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results/kernels")))
+    ap.add_argument("--out", type=Path,
+                    default=Path(os.environ.get("OUT", "bench/results/kernels")))
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
@@ -455,7 +470,8 @@ def main() -> int:
     ap.add_argument("--check-presets", default=None,
                     help="presets of the correctness pass (default: --presets; '' for none)")
     ap.add_argument("--fp8", action="store_true",
-                    help="also time each model on an fp8 e4m3 cache (bytes counted at 1 per element)")
+                    help="also time each model on an fp8 e4m3 cache "
+                         "(bytes counted at 1 per element)")
     ap.add_argument("--sweep-presets", default="tq4,tq3",
                     help="presets of the launch-shape sweep (checked and timed per configuration)")
     ap.add_argument("--skip-table", action="store_true",
@@ -527,7 +543,8 @@ def main() -> int:
                     r = {"case": futs[f].name, "ok": False, "error": f"worker died: {exc}"}
                 checks.append(r)
                 flag = "OK  " if r.get("ok") else "FAIL"
-                log(f"[check {len(checks)}/{len(cases)} {time.time() - t0:5.0f}s] {flag} {r['case']} "
+                log(f"[check {len(checks)}/{len(cases)} {time.time() - t0:5.0f}s] {flag} "
+                    f"{r['case']} "
                     f"enc={r.get('encode_bitexact')} dec={r.get('decode_bitexact')} "
                     f"guard={r.get('guard_intact')} corrupt={r.get('corruption_refused')} "
                     f"cpu_ref={r.get('cpu_ref_equal')} ({r.get('seconds')}s) {r.get('error', '')}")
@@ -557,7 +574,8 @@ def main() -> int:
                                 KernelConfig(**c), log)
                 for r in res:
                     r["config"] = c
-                    r["model"] = f"{gname} " + (",".join(f"{k}={v}" for k, v in c.items()) or "default")
+                    r["model"] = f"{gname} " + (
+                        ",".join(f"{k}={v}" for k, v in c.items()) or "default")
                     sweep.append(r)
                     log(f"sweep {gname} {c}: {r['preset']} enc {r['enc_batched_ms']:.3f} ms "
                         f"({100 * r['enc_batched_vs_copy']:.0f}%) dec {r['dec_batched_ms']:.3f} ms "
@@ -572,11 +590,14 @@ def main() -> int:
 
     def markdown() -> list[str]:
         n_ok = sum(1 for r in checks if r.get("ok"))
-        md = ["## Kernels (H200)", "", f"`{env['command']}` on {env['gpu']} ({env['sms']} SMs), torch "
+        md = ["## Kernels (H200)", "",
+              f"`{env['command']}` on {env['gpu']} ({env['sms']} SMs), torch "
               f"{env['torch']}, triton {env['triton']}, CUDA {env['cuda']}", "",
               f"correctness: {n_ok}/{len(checks)} configurations bit-exact"
               + (f", {len(abandoned)} abandoned at the deadline" if abandoned else ""), ""]
-        md += [f"- FAIL {r['case']}: {r.get('error') or {k: r.get(k) for k in ('encode_bitexact', 'decode_bitexact', 'guard_intact', 'corruption_refused', 'corruption_wrote_nothing')}}"
+        fail_fields = ('encode_bitexact', 'decode_bitexact', 'guard_intact', 'corruption_refused',
+                       'corruption_wrote_nothing')
+        md += [f"- FAIL {r['case']}: {r.get('error') or {k: r.get(k) for k in fail_fields}}"
                for r in checks if not r.get("ok")]
         md += ["", table(results), "", "### head_dim 256 vs two 128 groups", "", table(hd)]
         if sweep:
@@ -594,7 +615,8 @@ def main() -> int:
             try:
                 run_model(name, geom, presets, layout, cfg, log, results, save_all)
             except Exception as exc:  # noqa: BLE001
-                log(f"{name} {layout} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                log(f"{name} {layout} failed: {type(exc).__name__}: {exc}\n"
+                    f"{traceback.format_exc()}")
         if args.fp8:  # the same model on vLLM's fp8 cache (1 byte per element, a scale per layer)
             try:
                 run_model(name, geom, args.presets.split(","), "LBNHC", cfg, log, results,

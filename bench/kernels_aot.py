@@ -134,7 +134,8 @@ def main() -> int:
         cfg = td.KernelConfig(num_warps=args.num_warps, lanes=lanes or None,
                               decode_lanes=lanes or None, max_registers=args.max_registers,
                               qmode=args.qmode)
-        for name, fn, encode in (("encode", tk.encode_kernel, True), ("decode", tk.decode_kernel, False)):
+        for name, fn, encode in (("encode", tk.encode_kernel, True),
+                                 ("decode", tk.decode_kernel, False)):
             cx = constants(args.preset, args.head_dim, cfg, encode)
             cap = None
             if encode:

@@ -30,7 +30,8 @@ def _cpu_seconds() -> float:
 
 
 def idle_share(delay_us: int, seconds: float) -> float:
-    transport = NixlTransport(agent_name=f"idle-{delay_us}-{os.getpid()}", progress_delay_us=delay_us)
+    transport = NixlTransport(agent_name=f"idle-{delay_us}-{os.getpid()}",
+                              progress_delay_us=delay_us)
     try:
         time.sleep(0.2)
         c0, w0 = _cpu_seconds(), time.monotonic()
@@ -88,8 +89,11 @@ def read_goodput(delay_us: int, nbytes: int, descs: int, repeats: int) -> list[f
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--delays", default="0,100,1000", help="progress delays in us (0 = NIXL default)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--delays", default="0,100,1000",
+                        help="progress delays in us (0 = NIXL default)")
     parser.add_argument("--mib", type=int, default=64, help="bytes per READ, MiB")
     parser.add_argument("--descs", type=int, default=512, help="descriptors per READ")
     parser.add_argument("--repeats", type=int, default=5)

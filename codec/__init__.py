@@ -3,7 +3,7 @@
 The single source of truth for the math and the bytes; kernels are tested against it.
 """
 
-from turbowire.codec.codec import Codec, ChunkLayout, EncodedChunk, SUPPORTED_HEAD_DIMS
+from turbowire.codec.codec import SUPPORTED_HEAD_DIMS, ChunkLayout, Codec, EncodedChunk
 from turbowire.codec.errors import (
     ChecksumError,
     CodecError,

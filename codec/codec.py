@@ -81,7 +81,9 @@ class Codec:
         if not 0 < num_layers < 1 << 16:
             raise GeometryError(f"num_layers must be in 1..65535, got {num_layers}")
         if not 0 < chunk_tokens <= MAX_CHUNK_TOKENS:
-            raise GeometryError(f"chunk_tokens must be in 1..{MAX_CHUNK_TOKENS}, got {chunk_tokens}")
+            raise GeometryError(
+                f"chunk_tokens must be in 1..{MAX_CHUNK_TOKENS}, got {chunk_tokens}"
+            )
         self.head_dim = head_dim
         self.num_layers = num_layers
         self.chunk_tokens = chunk_tokens
@@ -131,7 +133,9 @@ class Codec:
         """Exact size of the chunk ``encode`` would produce (token_offset 0 is the largest)."""
         return self.layout(layer, num_tokens, num_heads, token_offset).nbytes
 
-    def bits_per_element(self, layer: int, num_heads: int = 8, num_tokens: int | None = None) -> float:
+    def bits_per_element(
+        self, layer: int, num_heads: int = 8, num_tokens: int | None = None
+    ) -> float:
         """Wire bits per K/V element of a full chunk, all metadata (header, scales, means) counted.
 
         The sink row of a sequence's first chunk is left out (it is paid once per sequence).
@@ -145,9 +149,13 @@ class Codec:
         if not 0 <= layer < self.num_layers:
             raise GeometryError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         if k.shape != v.shape or k.dim() != 3:
-            raise GeometryError(f"k and v must both be [T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise GeometryError(
+                f"k and v must both be [T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         if k.shape[-1] != self.head_dim:
-            raise GeometryError(f"head_dim of the tensors is {k.shape[-1]}, codec has {self.head_dim}")
+            raise GeometryError(
+                f"head_dim of the tensors is {k.shape[-1]}, codec has {self.head_dim}"
+            )
         if k.dtype != v.dtype or k.dtype not in DTYPE_CODES:
             raise GeometryError(f"k/v dtype must be bfloat16 or float16, got {k.dtype}/{v.dtype}")
 

@@ -54,7 +54,9 @@ class StreamSpec:
             raise ValueError("center and sink_tokens apply to lloyd streams only")
         if self.sink_tokens < 0:
             raise ValueError("sink_tokens must be >= 0")
-        if self.hi_eighths and (self.kind != "lloyd" or not 0 < self.hi_eighths < 8 or self.bits >= 6):
+        if self.hi_eighths and (
+            self.kind != "lloyd" or not 0 < self.hi_eighths < 8 or self.bits >= 6
+        ):
             raise ValueError("hi_eighths (1..7) applies to lloyd streams of fewer than 6 bits")
 
     def coord_bits(self, dim: int) -> list[tuple[int, int]]:
@@ -73,7 +75,9 @@ class StreamSpec:
         if self.kind != "lloyd":
             return {"raw": "16-bit", "fp8": "fp8+scale"}[self.kind]
         bits = f"{self.bits + self.hi_eighths / 8:g}"
-        return f"LM{bits}" + ("+mean" if self.center else "") + ("+sink" if self.sink_tokens else "")
+        return (
+            f"LM{bits}" + ("+mean" if self.center else "") + ("+sink" if self.sink_tokens else "")
+        )
 
     @property
     def label(self) -> str:
@@ -83,7 +87,10 @@ class StreamSpec:
             return "fp8 e4m3 + scale"
         bits = f"{self.bits + self.hi_eighths / 8:g}"
         extras = "".join(
-            [", chunk mean" if self.center else "", f", {self.sink_tokens} sink" if self.sink_tokens else ""]
+            [
+                ", chunk mean" if self.center else "",
+                f", {self.sink_tokens} sink" if self.sink_tokens else "",
+            ]
         )
         return f"{bits}-bit Lloyd-Max{extras}"
 
@@ -126,7 +133,8 @@ def stream_layout(
 
 
 def token_pairwise_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 0 (tokens) in the codec's fixed order: zero-pad to a power of two, fold pairs."""
+    """Sum over dim 0 (tokens) in the codec's fixed order: zero-pad to a power of two, fold
+    pairs."""
     t = x.shape[0]
     padded = 1 << max(0, (t - 1).bit_length())
     if padded != t:

@@ -11,6 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from turbowire.connector.geometry import GeometryError, KVGeometry
 
 if TYPE_CHECKING:
@@ -81,7 +82,11 @@ class EngineCaches:
         if not is_fp8_cache(self.tensors[layer]):
             return None
         attn = self._attention_layer(layer)
-        if attn is None or not hasattr(attn, "_k_scale_float") or not hasattr(attn, "_v_scale_float"):
+        if (
+            attn is None
+            or not hasattr(attn, "_k_scale_float")
+            or not hasattr(attn, "_v_scale_float")
+        ):
             raise GeometryError(
                 f"fp8 KV cache of layer {self.geometry.layers[layer].name}: vLLM's attention layer "
                 "with its k/v scales is not in the static forward context"
@@ -97,7 +102,9 @@ class EngineCaches:
         from turbowire.kernels.cpu_dispatch import served_by
 
         isa = getattr(self._attention_layer(layer), "isa", None)
-        layout = cpu_attn_layout(cache, self.geometry.head_dim, isa if isinstance(isa, str) else None)
+        layout = cpu_attn_layout(
+            cache, self.geometry.head_dim, isa if isinstance(isa, str) else None
+        )
         key = (layout.isa, layout.describe(), cache.dtype, layout.block_size)
         if key not in self._logged:
             self._logged.add(key)

@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from turbowire.connector.geometry import KVGeometry
-
 from turbowire.errors import TurboWireError
 
 if TYPE_CHECKING:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from turbowire.errors import TurboWireError
+
 AUTH_TOKEN_ENV = "TURBOWIRE_AUTH_TOKEN"
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 DEFAULT_PRESET = "tq4"
@@ -40,7 +42,7 @@ TABLE_BEGIN = "<!-- config-table -->"
 TABLE_END = "<!-- /config-table -->"
 
 
-class ConnectorConfigError(ValueError):
+class ConnectorConfigError(TurboWireError, ValueError):
     """A ``kv_connector_extra_config`` value is missing or invalid."""
 
 

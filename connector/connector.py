@@ -106,7 +106,9 @@ class TurboWireConnector(KVConnectorBase_V1):
         return True  # save_kv_layer runs between layers; full CUDA graphs would skip it
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         from turbowire.connector.stats import TurboWireConnectorStats
 
         return TurboWireConnectorStats(data=data) if data is not None else TurboWireConnectorStats()

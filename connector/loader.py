@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout
 from turbowire.connector.metadata import LoadReport, LoadRequest, PeerAddress
@@ -31,7 +32,6 @@ from turbowire.connector.spec import TRANSPORT
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import TurboWireConnectorStats
 from turbowire.connector.transports.base import Transfer, TransferState, Transport, TransportError
-
 from turbowire.errors import TurboWireError, failure_reason
 
 if TYPE_CHECKING:
@@ -264,7 +264,9 @@ class KVLoader:
         elapsed = time.perf_counter() - started
         state = PeerState(info, agent, elapsed)
         self._peers[peer.key] = state
-        self.stats.observe("handshake_seconds", elapsed, transport=TRANSPORT, preset=self.config.preset)
+        self.stats.observe(
+            "handshake_seconds", elapsed, transport=TRANSPORT, preset=self.config.preset
+        )
         job.handshake_seconds = elapsed
         logger.info(
             "handshake with prefill engine %s at %s:%d done in %.1f ms",
@@ -314,7 +316,9 @@ class KVLoader:
             )
         staging = info.staging
         if staging.mem_type != self.mem_type:
-            raise LoadFailed("incompatible", f"peer staging is {staging.mem_type}, ours {self.mem_type}")
+            raise LoadFailed(
+                "incompatible", f"peer staging is {staging.mem_type}, ours {self.mem_type}"
+            )
         if len(staging.layer_offsets) != self.geometry.num_layers:
             raise LoadFailed("incompatible", "peer staging has a different layer count")
         for layer, off in enumerate(staging.layer_offsets):
@@ -327,7 +331,9 @@ class KVLoader:
         slots = [b.slot for b in load.blocks]
         bad = [s for s in slots if not 0 <= s < staging.num_slots]
         if bad:
-            raise LoadFailed("bounds", f"staging slots {bad[:5]} outside the peer's {staging.num_slots}")
+            raise LoadFailed(
+                "bounds", f"staging slots {bad[:5]} outside the peer's {staging.num_slots}"
+            )
         bad_local = [b for b in load.block_ids if not 0 <= b < self._num_local_blocks]
         if bad_local:
             raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
@@ -413,8 +419,12 @@ class KVLoader:
         dense = tokens * self._dense_bytes_per_token
         wire = job.recv_nbytes
         self.stats.record_recv(TRANSPORT, load.preset, dense, wire)
-        self.stats.observe("transfer_seconds", transfer_seconds, transport=TRANSPORT, preset=load.preset)
-        self.stats.observe("decode_seconds", decode_seconds, transport=TRANSPORT, preset=load.preset)
+        self.stats.observe(
+            "transfer_seconds", transfer_seconds, transport=TRANSPORT, preset=load.preset
+        )
+        self.stats.observe(
+            "decode_seconds", decode_seconds, transport=TRANSPORT, preset=load.preset
+        )
         self._finished.add(load.request_id)
         self._reports[load.request_id] = LoadReport(
             tokens=tokens,

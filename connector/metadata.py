@@ -64,7 +64,8 @@ class PeerAddress:
 
 @dataclass
 class LoadRequest:
-    """One request's load (or, with no blocks, only the lease release a prefill engine waits for)."""
+    """One request's load (or, with no blocks, only the lease release a prefill engine waits
+    for)."""
 
     request_id: str
     remote_request_id: str

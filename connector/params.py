@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from turbowire.connector.geometry import blocks_for_tokens
-
 from turbowire.errors import TurboWireError
 
 MAX_TOKENS = 1 << 24

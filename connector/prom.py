@@ -36,6 +36,13 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    PromMetric,
+    PromMetricT,
+)
+
 from turbowire.connector.config import DEFAULT_PRESET
 from turbowire.connector.stats import (
     DIRECTIONS,
@@ -45,13 +52,6 @@ from turbowire.connector.stats import (
     iter_histograms,
     sanitize_data,
 )
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    PromMetric,
-    PromMetricT,
-)
-
 from turbowire.metrics_catalog import (
     BY_STATS_NAME,
     DURATION_BUCKETS,

@@ -308,7 +308,9 @@ class TurboWireScheduler:
                 "request %s: %d local blocks allocated, %d needed; loading nothing",
                 req_id, len(group), last_block,
             )
-            self._pending_loads.append(LoadRequest(req_id, remote.request_id, peer, [], remote.preset))
+            self._pending_loads.append(
+                LoadRequest(req_id, remote.request_id, peer, [], remote.preset)
+            )
             return
         load_blocks = [
             LoadBlock(
@@ -525,7 +527,9 @@ class TurboWireScheduler:
         if self._clients is None:
             from turbowire.connector.sidechannel.client import ClientPool
 
-            self._clients = ClientPool(self.config.auth_token, self.config.handshake_timeout_seconds)
+            self._clients = ClientPool(
+                self.config.auth_token, self.config.handshake_timeout_seconds
+            )
         for (host, port), ids in due.items():
             try:
                 reply = self._clients.get(host, port).heartbeat(ids, self.engine_id)

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
+
 from turbowire.connector.caches import EngineCaches
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.loader import KVLoader, LoadFailed, LocalEnd
@@ -107,7 +108,9 @@ class TurboWireWorker:
             self.recv = torch.zeros(self.config.recv_bytes, dtype=torch.uint8, device=device)
             transport.register(self.recv)
             self.recv_ranges = ByteRanges(self.config.recv_bytes)
-            self._clients = ClientPool(self.config.auth_token, self.config.handshake_timeout_seconds)
+            self._clients = ClientPool(
+                self.config.auth_token, self.config.handshake_timeout_seconds
+            )
             local = LocalEnd(
                 self.engine_id, self.tp_rank, self.record, self.mem_type, self.recv.data_ptr(),
                 max(device.index or 0, 0), self.caches.num_blocks,

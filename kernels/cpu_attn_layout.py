@@ -343,7 +343,9 @@ def probe_layout(dtype: torch.dtype, heads: int, block_size: int, head_dim: int,
     return layout
 
 
-def cpu_attn_layout(kv_cache: torch.Tensor, head_dim: int, isa: str | None = None) -> CpuAttnKVLayout:
+def cpu_attn_layout(
+    kv_cache: torch.Tensor, head_dim: int, isa: str | None = None
+) -> CpuAttnKVLayout:
     """The layout of one vLLM CPU attention cache tensor, with vLLM's real placement."""
     base = PagedKVLayout.from_cache(kv_cache, head_dim=head_dim)
     probed = probe_layout(kv_cache.dtype, base.num_heads, base.block_size, head_dim, isa)

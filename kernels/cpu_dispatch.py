@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from turbowire.codec import (
     ChecksumError,
     Codec,
@@ -37,6 +38,7 @@ from turbowire.codec.presets import LayerPolicy
 from turbowire.codec.rotation import sign_tables
 from turbowire.codec.streams import StreamSpec, stream_layout
 from turbowire.codec.wire import DTYPE_CODES, parse_header, verify_body
+from turbowire.errors import TurboWireError
 from turbowire.kernels.cpu_attn_layout import CpuAttnKVLayout
 from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
 from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
@@ -131,7 +133,7 @@ class _Error(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int32), ("item", ctypes.c_int32), ("detail", ctypes.c_int64)]
 
 
-class CpuKernelError(RuntimeError):
+class CpuKernelError(TurboWireError, RuntimeError):
     """The C library refused a call for a reason the reference checks did not reproduce."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from turbowire.codec import Codec
 from turbowire.kernels import cpu_dispatch, fp8_cache, triton_dispatch
 from turbowire.kernels.fp8_cache import KVScales

@@ -63,7 +63,9 @@ def resolve_scales(kv_cache: torch.Tensor, kv_scales: KVScales | tuple[float, fl
             )
         return kv_scales if isinstance(kv_scales, KVScales) else KVScales(*kv_scales)
     if kv_scales is not None:
-        raise CacheLayoutError(f"kv_scales only apply to fp8 caches; this cache is {kv_cache.dtype}")
+        raise CacheLayoutError(
+            f"kv_scales only apply to fp8 caches; this cache is {kv_cache.dtype}"
+        )
     return None
 
 

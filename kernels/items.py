@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from turbowire.kernels.paged import BlockIndexError
 
 

@@ -48,7 +48,9 @@ class PagedKVLayout:
         if kv_cache.dim() == 4:
             nb, heads, bs, packed = shape
             if packed % 2 or (head_dim is not None and packed != 2 * head_dim):
-                raise CacheLayoutError(f"4-D cache {shape}: last dim must be 2*head_dim (K|V packed)")
+                raise CacheLayoutError(
+                    f"4-D cache {shape}: last dim must be 2*head_dim (K|V packed)"
+                )
             return cls("cpu_packed", nb, bs, heads, packed // 2, "LBHNC")
         if kv_cache.dim() != 5:
             raise CacheLayoutError(f"a paged KV cache is 4-D (CPU) or 5-D (GPU), got shape {shape}")
@@ -97,7 +99,8 @@ class PagedKVLayout:
             )
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             raise BlockIndexError(
-                f"block ids must be in 0..{self.num_blocks - 1}, got {int(ids.min())}..{int(ids.max())}"
+                f"block ids must be in 0..{self.num_blocks - 1}, "
+                f"got {int(ids.min())}..{int(ids.max())}"
             )
         if torch.unique(ids).numel() != ids.numel():
             raise BlockIndexError("repeated block ids in one request")

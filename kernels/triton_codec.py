@@ -142,9 +142,9 @@ def _sign_leaf(x, MASK: tl.constexpr, IDX: tl.constexpr, L: tl.constexpr, C: tl.
     else:
         ln = tl.arange(0, L)[:, None, None]
         g = tl.where(ln == 0, 1.0 - 2.0 * S0, 1.0)
-        for l in tl.static_range(1, L):
-            if ((MASK >> (l * C + IDX)) & 1) == 1:
-                g = tl.where(ln == l, -1.0, g)
+        for lane in tl.static_range(1, L):
+            if ((MASK >> (lane * C + IDX)) & 1) == 1:
+                g = tl.where(ln == lane, -1.0, g)
         return x * g
 
 
@@ -881,19 +881,24 @@ def _pack_group(code, out_ptr, row_byte, valid, G0: tl.constexpr, NG: tl.constex
         cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 2, POFF, WORDS, L, BT, C)
     elif B == 3:
         cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 2, POFF, WORDS, L, BT, C)
-        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 2, 1, POFF + NG // 4, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 2, 1, POFF + NG // 4, WORDS,
+                          L, BT, C)
     elif B == 4:
         cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
     elif B == 5:
         cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
-        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 1, POFF + NG // 2, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 1, POFF + NG // 2, WORDS,
+                          L, BT, C)
     elif B == 6:
         cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
-        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS,
+                          L, BT, C)
     else:
         cs = _pack_store(code, out_ptr, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
-        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS, L, BT, C)
-        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 6, 1, POFF + NG // 2 + NG // 4, WORDS, L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS,
+                          L, BT, C)
+        cs += _pack_store(code, out_ptr, row_byte, valid, G0, NG, 6, 1, POFF + NG // 2 + NG // 4,
+                          WORDS, L, BT, C)
     return cs
 
 
@@ -995,7 +1000,8 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
         md = tl.arange(0, D // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(mp + md, mean16)
         ma, mb = tl.split(tl.reshape(_bits16(mean16), [D // 8, 4, 2]))
-        mwi = (mean_off + h * D * 2) // 4 + tl.arange(0, D // 8)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        mwi = ((mean_off + h * D * 2) // 4 + tl.arange(0, D // 8)[:, None] * 4
+               + tl.arange(0, 4)[None, :])
         cs0 += _wsum_words(ma | (mb << 16), mwi)
         # the tiles re-read the mean from the staging buffer in their own (row) layout
         tl.debug_barrier()
@@ -1013,7 +1019,8 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
                 dst = (out_ptr + body0).to(tl.pointer_type(x16.dtype))
                 _store_rows(dst, sb // 2, sv, x16, L, BT, C)
                 words = _pair_words(_bits16(x16), L, BT, C)
-                cs += _wsum_rows(tl.where(sv[None, :, None], words, 0), sb[None, :, None] // 4 + wcol)
+                cs += _wsum_rows(tl.where(sv[None, :, None], words, 0),
+                                 sb[None, :, None] // 4 + wcol)
         x = x16.to(tl.float32)
         if CENTER:
             x = x - _load_rows(mp, zrow, valid, L, BT, C).to(tl.float32)
@@ -1036,7 +1043,8 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
             code_hi = _quantize(v, tab_ptr, HI, BITS + 1, QMODE, L, BT, C)
             ishi = dcol < NHI
             code = tl.where(ishi, code_hi, code)
-            sq = tl.where(ishi, _gather_rows(tab_ptr + (HI + 2 * (1 << (BITS + 1))), code, L, BT, C),
+            sq = tl.where(ishi,
+                          _gather_rows(tab_ptr + (HI + 2 * (1 << (BITS + 1))), code, L, BT, C),
                           _gather_rows(tab_ptr + (LO + 2 * (1 << BITS)), code, L, BT, C))
         else:
             code = _quantize(v, tab_ptr, LO, BITS, QMODE, L, BT, C)
@@ -1046,7 +1054,8 @@ def _enc_lloyd(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_of
         # codes [T, H, R]
         cb = codes_off + ri * R
         if NHI > 0:
-            cs += _pack_group(code, out_ptr + body0, cb, valid, 0, NHI, BITS + 1, 0, WORDS, L, BT, C)
+            cs += _pack_group(code, out_ptr + body0, cb, valid, 0, NHI, BITS + 1, 0, WORDS,
+                              L, BT, C)
             cs += _pack_group(code, out_ptr + body0, cb, valid, NHI, D - NHI, BITS,
                               NHI * (BITS + 1) // 8, WORDS, L, BT, C)
         else:
@@ -1142,16 +1151,16 @@ def encode_kernel(
     if s == 0:
         layer_off = tl.multiple_of(tl.load(ip + E_KOFF), 16)
         cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
-                         body0, 0, stride_blk, stride_tok, stride_head, block_size, D, L, BT, SBT, LV,
-                         K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, QMODE, FP8_MANUAL,
+                         body0, 0, stride_blk, stride_tok, stride_head, block_size, D, L, BT, SBT,
+                         LV, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, QMODE, FP8_MANUAL,
                          SQRT_D, S1M, S2M, NUM_WARPS, _scale_at(ip, E_KSCALE))
     else:
         layer_off = tl.multiple_of(tl.load(ip + E_VOFF), 16)
         s_off = tl.multiple_of(tl.load(ip + E_KBYTES), 16)
         cs = _enc_stream(kv_ptr, out_ptr, tab_ptr, blocks_ptr, blk0, start, T, P, layer_off, h, H,
                          body0, s_off, stride_blk, stride_tok, stride_head, block_size, D, L, BT,
-                         SBT, LV, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, QMODE, FP8_MANUAL,
-                         SQRT_D, S1M, S2M, NUM_WARPS, _scale_at(ip, E_VSCALE))
+                         SBT, LV, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, QMODE,
+                         FP8_MANUAL, SQRT_D, S1M, S2M, NUM_WARPS, _scale_at(ip, E_VSCALE))
     tl.atomic_add(acc_ptr + item * 2, cs, sem="relaxed")
     done = tl.atomic_add(acc_ptr + item * 2 + 1, 1, sem="acq_rel")
     if done == 2 * H - 1:
@@ -1234,7 +1243,8 @@ def verify_kernel(src_ptr, items_ptr, acc_ptr, status_ptr, fail_ptr, H, preset_i
             st |= tl.where(w5 != tl.load(ip + D_T).to(tl.int32), 4, 0)
             st |= tl.where(w6 != tl.load(ip + D_START).to(tl.int32), 4, 0)
             has_tag = tl.load(ip + D_HASTAG) != 0
-            tag_bad = (w8 != tl.load(ip + D_TAGLO).to(tl.int32)) | (w9 != tl.load(ip + D_TAGHI).to(tl.int32))
+            tag_bad = ((w8 != tl.load(ip + D_TAGLO).to(tl.int32))
+                       | (w9 != tl.load(ip + D_TAGHI).to(tl.int32)))
             st |= tl.where(has_tag & tag_bad, 4, 0)
             st |= tl.where(hbody != exp_body, 4, 0)
             st |= tl.where(nbytes < 48 + hbody, 8, 0)
@@ -1281,12 +1291,14 @@ def _unpack_plane(src, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr, SHIF
                 w = tl.reshape(tl.permute(w, (2, 1, 0, 3)), [L, BT, NWR])
         else:
             if ROWS_FIRST:
-                m = tl.arange(0, L)[:, None, None] * NWR + tl.arange(0, NWR)[None, None, :] - G0 // PER
+                m = (tl.arange(0, L)[:, None, None] * NWR + tl.arange(0, NWR)[None, None, :]
+                     - G0 // PER)
                 ok = valid[None, :, None] & (m >= 0) & (m < NG // PER)
                 p32 = (src + row_byte[None, :, None] + POFF).to(tl.pointer_type(tl.int32))
                 w = tl.load(p32 + m, mask=ok, other=0)
             else:
-                m = tl.arange(0, NWR)[:, None, None] + tl.arange(0, L)[None, None, :] * NWR - G0 // PER
+                m = (tl.arange(0, NWR)[:, None, None] + tl.arange(0, L)[None, None, :] * NWR
+                     - G0 // PER)
                 ok = valid[None, :, None] & (m >= 0) & (m < NG // PER)
                 p32 = (src + row_byte[None, :, None] + POFF).to(tl.pointer_type(tl.int32))
                 w = tl.permute(tl.load(p32 + m, mask=ok, other=0), (2, 1, 0))
@@ -1324,7 +1336,8 @@ def _unpack_group(src, row_byte, valid, G0: tl.constexpr, NG: tl.constexpr, B: t
     else:
         code = _unpack_plane(src, row_byte, valid, G0, NG, 0, 4, POFF, WORDS, L, BT, C)
         code |= _unpack_plane(src, row_byte, valid, G0, NG, 4, 2, POFF + NG // 2, WORDS, L, BT, C)
-        code |= _unpack_plane(src, row_byte, valid, G0, NG, 6, 1, POFF + NG // 2 + NG // 4, WORDS, L, BT, C)
+        code |= _unpack_plane(src, row_byte, valid, G0, NG, 6, 1, POFF + NG // 2 + NG // 4,
+                              WORDS, L, BT, C)
     return code
 
 
@@ -1416,7 +1429,8 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
         ri = t.to(tl.int64) * H + h
         if KIND == 0:
             rb = s_off + ri * (D * 2)
-            bits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), rb // 2, valid, L, BT, C)
+            bits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), rb // 2, valid,
+                              L, BT, C)
             y = _from_bits(bits, SRC_FP16, OUT_DTYPE, MANUAL, sc)
         elif KIND == 1:
             sp = (src_ptr + body0 + s_off).to(tl.pointer_type(tl.float16))
@@ -1428,7 +1442,8 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
         else:
             cb = codes_off + ri * R
             if NHI > 0:
-                code = _unpack_group(src_ptr + body0, cb, valid, 0, NHI, BITS + 1, 0, WORDS, L, BT, C)
+                code = _unpack_group(src_ptr + body0, cb, valid, 0, NHI, BITS + 1, 0, WORDS,
+                                     L, BT, C)
                 code |= _unpack_group(src_ptr + body0, cb, valid, NHI, D - NHI, BITS,
                                       NHI * (BITS + 1) // 8, WORDS, L, BT, C)
                 LOH: tl.constexpr = 2 * D + 3 * ((1 << (BITS + 1)) - 2) + (1 << (BITS + 1))
@@ -1450,7 +1465,8 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
                 if t0 < S:
                     sv = valid & (t < S)
                     sb = sink_off + ri * (D * 2)
-                    sbits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), sb // 2, sv, L, BT, C)
+                    sbits = _load_rows((src_ptr + body0).to(tl.pointer_type(tl.int16)), sb // 2,
+                                       sv, L, BT, C)
                     sink = _from_bits(sbits, SRC_FP16, OUT_DTYPE, MANUAL, sc)
                     y = tl.where(sv[None, :, None], sink, y)
         _store_rows(kv_ptr, row, valid, y, L, BT, C)

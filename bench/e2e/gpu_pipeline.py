@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def bootstrap_turbowire() -> None:
-    """``turbowire.codec``/``turbowire.kernels`` from the repo without installing (bench/source_tree.py)."""
+    """``turbowire.codec``/``turbowire.kernels`` from the repo without installing
+    (bench/source_tree.py)."""
     sys.path.insert(0, str(REPO / "bench"))
     from source_tree import bootstrap_turbowire as _bootstrap
 
@@ -189,8 +190,7 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
 
     bootstrap_turbowire()
     from turbowire.codec import Codec
-    from turbowire.kernels import EncodeItem, PagedKVLayout, encode_into
-    from turbowire.kernels import triton_dispatch
+    from turbowire.kernels import EncodeItem, PagedKVLayout, encode_into, triton_dispatch
 
     nixl = import_nixl()
     device = _device("P", args)
@@ -237,7 +237,8 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
                 off += size
             items_by_layer.append(items)
         if off > staging.numel():
-            raise ValueError(f"staging of {staging.numel()} B cannot hold {off} B; raise --staging-bytes")
+            raise ValueError(
+                f"staging of {staging.numel()} B cannot hold {off} B; raise --staging-bytes")
         _sync(device)
         t0 = time.perf_counter()
         for layer in range(geo.num_layers):
@@ -245,7 +246,8 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
         _sync(device)
         enc_s = time.perf_counter() - t0
         conn.send({"encode_s": enc_s, "plan": plan, "wire_bytes": off,
-                   "kernel": "triton" if triton_dispatch.applies(codec, caches[0]) else "reference"})
+                   "kernel": ("triton" if triton_dispatch.applies(codec, caches[0])
+                              else "reference")})
     del agent
 
 
@@ -289,11 +291,14 @@ def decode_main(conn: Any, result_q: Any, args: argparse.Namespace) -> None:
                for plane in range(2) for b in blocks]
         return np.asarray(out, dtype=np.int32)
 
-    def check(layer: int, p_blocks: list[int], d_blocks: list[int], tokens: int) -> tuple[float, float]:
+    def check(
+        layer: int, p_blocks: list[int], d_blocks: list[int], tokens: int
+    ) -> tuple[float, float]:
         conn.send({"cmd": "sample", "layer": layer, "blocks": p_blocks, "tokens": tokens})
         ref = conn.recv()
         k, v = layout.gather(caches[layer], d_blocks, 0, tokens)
-        err = torch.cat([(k.float().cpu() - ref["k"]).flatten(), (v.float().cpu() - ref["v"]).flatten()])
+        err = torch.cat([(k.float().cpu() - ref["k"]).flatten(),
+                         (v.float().cpu() - ref["v"]).flatten()])
         refn = torch.cat([ref["k"].flatten(), ref["v"].flatten()])
         return float(err.abs().max()), float(err.pow(2).mean().sqrt() / refn.pow(2).mean().sqrt())
 
@@ -325,7 +330,8 @@ def decode_main(conn: Any, result_q: Any, args: argparse.Namespace) -> None:
             _sync(device)
             times.append(time.perf_counter() - t0)
             agent.release_xfer_handle(h)
-        row.transfer_s, row.iters, row.samples = statistics.median(times), len(times), {"transfer": times}
+        row.transfer_s, row.iters, row.samples = (
+            statistics.median(times), len(times), {"transfer": times})
         row.max_abs_err, row.rel_rms_err = check(geo.num_layers - 1, p_blocks, d_blocks, tokens)
         rows.append(row)
         logger.info("dense %d tok: %.2f ms, %.1f GB/s", tokens, row.transfer_s * 1e3,
@@ -357,7 +363,8 @@ def decode_main(conn: Any, result_q: Any, args: argparse.Namespace) -> None:
                 by_layer: dict[int, list[Any]] = {}
                 for layer, start, n, off, size in rep["plan"]:
                     by_layer.setdefault(layer, []).append(
-                        DecodeItem(d_blocks, start, n, off, size, expected_tag=layer * 100003 + start))
+                        DecodeItem(d_blocks, start, n, off, size,
+                                   expected_tag=layer * 100003 + start))
                 _sync(device)
                 t0 = time.perf_counter()
                 for layer in range(geo.num_layers):
@@ -388,8 +395,10 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         total = r["total_s"]
         lines.append(
-            f"| {r['path']} | {r['tokens']} | {r['dense_bytes'] / 1e6:.1f} | {r['wire_bytes'] / 1e6:.1f} | "
-            f"{r['encode_s'] * 1e3:.2f} | {r['transfer_s'] * 1e3:.2f} | {r['decode_s'] * 1e3:.2f} | "
+            f"| {r['path']} | {r['tokens']} | {r['dense_bytes'] / 1e6:.1f} | "
+            f"{r['wire_bytes'] / 1e6:.1f} | "
+            f"{r['encode_s'] * 1e3:.2f} | {r['transfer_s'] * 1e3:.2f} | "
+            f"{r['decode_s'] * 1e3:.2f} | "
             f"{total * 1e3:.2f} | {r['wire_bytes'] / r['transfer_s'] / 1e9:.1f} | "
             f"{r['dense_bytes'] / total / 1e9:.1f} | {r['kernel']} | {r['rel_rms_err']:.4f} |")
     return "\n".join(lines)
@@ -401,8 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="tq4,k4v3,tq3", help="codec presets (comma list)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--num-blocks", type=int, default=0, help="cache blocks per layer (0: 1.25x need)")
-    ap.add_argument("--staging-bytes", type=int, default=0, help="0: dense size of the longest request")
+    ap.add_argument("--num-blocks", type=int, default=0,
+                    help="cache blocks per layer (0: 1.25x need)")
+    ap.add_argument("--staging-bytes", type=int, default=0,
+                    help="0: dense size of the longest request")
     ap.add_argument("--cpu", action="store_true", help="CPU tensors and DRAM (test without a GPU)")
     ap.add_argument("--out", type=Path, default=None, help="folder for results.json / results.md")
     args = ap.parse_args(argv)
@@ -412,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     geo = Geometry(num_layers=args.layers)
     need = -(-max(args.tokens) // geo.block_size)
     args.num_blocks = args.num_blocks or int(need * 1.25) + 8
-    args.staging_bytes = args.staging_bytes or max(args.tokens) * geo.dense_bytes_per_token + (1 << 20)
+    args.staging_bytes = (
+        args.staging_bytes or max(args.tokens) * geo.dense_bytes_per_token + (1 << 20))
     ctx = mp.get_context("spawn")
     p_conn, d_conn = ctx.Pipe()
     result_q = ctx.Queue()
@@ -427,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = result_q.get(timeout=5.0)
             except Exception:
                 if not d.is_alive() or not p.is_alive():
-                    raise RuntimeError(f"a worker died (prefill rc={p.exitcode}, decode rc={d.exitcode})")
+                    raise RuntimeError(
+                        f"a worker died (prefill rc={p.exitcode}, decode rc={d.exitcode})")
     finally:
         d.join(timeout=30)
         p.join(timeout=30)

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from turbowire.errors import TurboWireError
+
 logger = logging.getLogger(__name__)
 
 NS_PREFIX = "tw-e2e-"
@@ -30,7 +32,7 @@ _NS_RE = re.compile(rf"^{re.escape(NS_PREFIX)}(\d+)$")
 _IF_RE = re.compile(rf"^{IF_PREFIX}(\d+)[rn](@\S+)?$")
 
 
-class LinkError(RuntimeError):
+class LinkError(TurboWireError, RuntimeError):
     """Creating, shaping or measuring the emulated link failed."""
 
 
@@ -83,7 +85,8 @@ class LinkConfig:
         if not 576 <= self.mtu <= 65535:
             raise ValueError(f"mtu must be within 576..65535, got {self.mtu}")
         if len(self.root_if) > 15:
-            raise ValueError(f"interface name {self.root_if!r} exceeds 15 characters; use a smaller pid")
+            raise ValueError(
+                f"interface name {self.root_if!r} exceeds 15 characters; use a smaller pid")
 
     @property
     def netns(self) -> str:
@@ -262,7 +265,8 @@ class EmulatedLink:
         return got * 8 / secs / 1e9
 
 
-# Receiver run inside the namespace: prints its port, then bytes and seconds from first to last byte.
+# Receiver run inside the namespace: prints its port, then bytes and seconds from first to last
+# byte.
 _SINK_SRC = r"""
 import socket, sys, time
 srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -283,10 +287,12 @@ print("RESULT", total, t1 - t0, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m turbowire.bench_e2e.link [rates...]``: create a link, measure each rate, remove it."""
+    """``python -m turbowire.bench_e2e.link [rates...]``: create a link, measure each rate, remove
+    it."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = argv if argv is not None else sys.argv[1:]
-    rates: list[float | None] = [None if a == "none" else float(a) for a in args] or [0.2, 1.0, 10.0, None]
+    rates: list[float | None] = (
+        [None if a == "none" else float(a) for a in args] or [0.2, 1.0, 10.0, None])
     with EmulatedLink() as link:
         for rate in rates:
             link.set_rate(rate)
@@ -294,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             size = 16 << 20 if (rate or 100) < 1 else 128 << 20
             got = link.measure_gbit(size)
             logger.info("configured %-9s measured %.3f Gbit/s (%.1f s)",
-                        "unshaped" if rate is None else f"{rate} Gbit/s", got, time.perf_counter() - t0)
+                        "unshaped" if rate is None else f"{rate} Gbit/s", got,
+                        time.perf_counter() - t0)
     return 0
 
 

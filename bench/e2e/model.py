@@ -42,7 +42,8 @@ class BenchModelSpec:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256 for vLLM's CPU attention, got {self.head_dim}")
+            raise ValueError(
+                f"head_dim must be 64, 128 or 256 for vLLM's CPU attention, got {self.head_dim}")
         if self.num_layers < 1 or self.vocab_size < 256:
             raise ValueError("num_layers must be >= 1 and vocab_size >= 256")
 

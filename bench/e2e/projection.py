@@ -4,8 +4,9 @@ For a model's KV size, a prompt length and a link rate, the handoff time of
 
 - **dense** (vLLM NixlConnector): ``dense_bytes / (link * efficiency)``;
 - **turbowire** as built (encode in ``save_kv_layer`` during prefill, READ of the compressed chunks,
-  then decode into the paged cache): ``wire_bytes / (link * efficiency) + dense_bytes / decode_rate``
-  on the critical path, plus ``dense_bytes / encode_rate`` added to the prefill (reported apart);
+  then decode into the paged cache):
+  ``wire_bytes / (link * efficiency) + dense_bytes / decode_rate`` on the critical path, plus
+  ``dense_bytes / encode_rate`` added to the prefill (reported apart);
 - **turbowire, serial** (nothing overlapped): encode + wire + decode, the worst case.
 
 ``efficiency`` is the fraction of the nominal link rate a bulk transfer achieves (the CPU benchmark
@@ -35,7 +36,8 @@ class ModelKV:
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes) < 1:
-            raise ValueError(f"{self.name}: layers, kv heads, head_dim and dtype_bytes must be >= 1")
+            raise ValueError(
+                f"{self.name}: layers, kv heads, head_dim and dtype_bytes must be >= 1")
 
     @property
     def bytes_per_token(self) -> int:
@@ -58,7 +60,8 @@ class PresetRates:
 
     def __post_init__(self) -> None:
         if self.wire_ratio < 1.0:
-            raise ValueError(f"{self.preset}: wire_ratio must be >= 1 (dense/wire), got {self.wire_ratio}")
+            raise ValueError(
+                f"{self.preset}: wire_ratio must be >= 1 (dense/wire), got {self.wire_ratio}")
         if self.encode_dense_bps <= 0 or self.decode_dense_bps <= 0:
             raise ValueError(f"{self.preset}: kernel rates must be > 0 bytes/s")
 

@@ -189,7 +189,8 @@ def markdown_table(cells: Sequence[CellResult]) -> str:
         meas = "-" if c.measured_gbit is None else f"{c.measured_gbit:.2f}"
         rows.append(
             f"| {rate_label(c.rate_gbit)} | {meas} | {c.length} | {c.concurrency} | {c.config} | "
-            f"{c.n_ok}/{c.n_ok + c.n_failed} | {_fmt_s(c.handoff_s)} | {_fmt_ratio(c, 'handoff_s')} | "
+            f"{c.n_ok}/{c.n_ok + c.n_failed} | {_fmt_s(c.handoff_s)} | "
+            f"{_fmt_ratio(c, 'handoff_s')} | "
             f"{_fmt_s(c.decode_ttft_s)} | {_fmt_ratio(c, 'decode_ttft_s')} | "
             f"{_fmt_s(c.decode_request_s)} | {_fmt_ratio(c, 'decode_request_s')} | "
             f"{_fmt_s(c.ttft_s)} | {_fmt_ratio(c, 'ttft_s')} | {_fmt_mb(c.wire_bytes)} | "

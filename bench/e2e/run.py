@@ -59,6 +59,7 @@ from turbowire.bench_e2e.results import (
     rate_label,
     summarize,
 )
+from turbowire.errors import TurboWireError
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +79,14 @@ DECODE_METRICS = {
 CONNECTOR_BYTES = ("vllm:nixl_bytes_transferred_sum", "turbowire_kv_wire_bytes_total")
 
 
-class BenchError(RuntimeError):
+class BenchError(TurboWireError, RuntimeError):
     """The benchmark could not run (bad plan, engines down)."""
 
 
 @dataclass(frozen=True)
 class BenchPlan:
-    """What to measure. ``reduced()`` is ``make bench-e2e``'s default, ``full()`` the whole matrix."""
+    """What to measure. ``reduced()`` is ``make bench-e2e``'s default, ``full()`` the whole
+    matrix."""
 
     configs: tuple[ConnectorConfig, ...]
     rates: tuple[float | None, ...] = (0.2, 1.0, 10.0, None)
@@ -296,7 +298,8 @@ def run_cell(pair: EnginePair, plan: BenchPlan, prompts: PromptFactory, rate: fl
         handoff, pull = handoff_times(marks)
         prefill_s = rec.get("prefill_seconds")
         total_s = rec.get("total_seconds")
-        ok = item["error"] is None and rec.get("outcome", "ok") == "ok" and "load_failed" not in marks
+        ok = (item["error"] is None and rec.get("outcome", "ok") == "ok"
+              and "load_failed" not in marks)
         results.append(RequestResult(
             config=pair.conn.label, rate_gbit=rate, length=length, concurrency=conc,
             request_id=item["rid"], ok=ok, ttft_s=item["ttft"], prefill_s=prefill_s,
@@ -413,7 +416,8 @@ def machine_info() -> dict[str, Any]:
             return "?"
 
     return {"git": git("rev-parse", "--short", "HEAD"),
-            "git_dirty_files": len(git("status", "--porcelain", "--untracked-files=no").splitlines()),
+            "git_dirty_files": len(
+                git("status", "--porcelain", "--untracked-files=no").splitlines()),
             "cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__,
             "vllm": getattr(vllm, "__version__", "?"), "host": platform.node()}

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 
 import grpc
+
 from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
@@ -20,7 +21,6 @@ from turbowire.connector.sidechannel.convert import (
     record_to_proto,
 )
 from turbowire.connector.sidechannel.server import AUTH_HEADER, FIELD_TRAILER, MAX_MESSAGE_BYTES
-
 from turbowire.errors import TurboWireError
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from turbowire.connector.compat import CompatibilityRecord
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
-
 from turbowire.errors import TurboWireError
 
 MAX_LAYERS = 4096
@@ -38,7 +37,9 @@ def record_to_proto(record: CompatibilityRecord) -> pb.CompatibilityRecord:
 
 def record_from_proto(msg: pb.CompatibilityRecord) -> CompatibilityRecord:
     if len(msg.kv_heads) > MAX_LAYERS:
-        raise SideChannelProtocolError(f"record lists {len(msg.kv_heads)} layers (max {MAX_LAYERS})")
+        raise SideChannelProtocolError(
+            f"record lists {len(msg.kv_heads)} layers (max {MAX_LAYERS})"
+        )
     return CompatibilityRecord(
         model=msg.model,
         num_layers=msg.num_layers,

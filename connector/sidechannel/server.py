@@ -191,7 +191,9 @@ class SideChannelServer:
 
     def start(self) -> SideChannelServer:
         self._server.start()
-        logger.info("turbowire side channel of engine %s listening on %s", self.engine_id, self.address)
+        logger.info(
+            "turbowire side channel of engine %s listening on %s", self.engine_id, self.address
+        )
         return self
 
     def stop(self, grace: float = 1.0) -> None:

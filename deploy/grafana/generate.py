@@ -175,7 +175,8 @@ def sections() -> list[Section]:
             ),
             PanelSpec(
                 "Encode / decode duration (p90)",
-                "Encode on the prefill side (per engine step), decode + scatter on the decode side (per request).",
+                "Encode on the prefill side (per engine step), "
+                "decode + scatter on the decode side (per request).",
                 "s",
                 (
                     Query(

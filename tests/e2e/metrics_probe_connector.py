@@ -14,12 +14,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from turbowire.connector import prom
-from turbowire.connector.stats import TurboWireConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
 )
+
+from turbowire.connector import prom
+from turbowire.connector.stats import TurboWireConnectorStats
 
 BYTES_PER_TOKEN = 4096
 WIRE_DIVISOR = 4

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import connector_peer as peer  # tests/integration is on sys.path (pytest rootdir insertion)
 import pytest
 
-import connector_peer as peer  # tests/integration is on sys.path (pytest rootdir insertion)
 from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
 from turbowire.connector.sidechannel.client import (
     PeerUnreachableError,

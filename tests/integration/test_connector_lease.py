@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
+import connector_peer as peer  # tests/integration is on sys.path (pytest rootdir insertion)
 import pytest
 
-import connector_peer as peer  # tests/integration is on sys.path (pytest rootdir insertion)
 from turbowire.connector.sidechannel.client import SideChannelClient
 from turbowire.connector.sidechannel.convert import StagingInfo
 from turbowire.connector.sidechannel.server import SideChannelServer

@@ -7,11 +7,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+import connector_peer as peer  # tests/integration is on sys.path (pytest rootdir insertion)
 import numpy as np
 import pytest
 import torch
 
-import connector_peer as peer  # tests/integration is on sys.path (pytest rootdir insertion)
 from turbowire.connector.sidechannel.client import SideChannelClient
 from turbowire.connector.transports.base import TransferState
 from turbowire.connector.transports.nixl import NixlTransport

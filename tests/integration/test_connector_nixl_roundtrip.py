@@ -81,12 +81,15 @@ def make_caches(fp8: bool, fill_random: bool) -> dict[str, torch.Tensor]:
     [2, blocks, block_size, heads, head_dim] (on the CPU here) holding values / scale."""
     if not fp8:
         if fill_random:
-            return {n: torch.randn(NUM_BLOCKS, HEADS, BS, 2 * DIM).to(torch.bfloat16) for n in LAYERS}
-        return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16) for n in LAYERS}
+            return {n: torch.randn(NUM_BLOCKS, HEADS, BS, 2 * DIM).to(torch.bfloat16)
+                    for n in LAYERS}
+        return {n: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16)
+                for n in LAYERS}
     scale = torch.tensor(FP8_SCALES).reshape(2, 1, 1, 1, 1)
     out = {}
     for n in LAYERS:
-        x = torch.randn(2, NUM_BLOCKS, BS, HEADS, DIM) if fill_random else torch.zeros(2, NUM_BLOCKS, BS, HEADS, DIM)
+        x = (torch.randn(2, NUM_BLOCKS, BS, HEADS, DIM) if fill_random
+             else torch.zeros(2, NUM_BLOCKS, BS, HEADS, DIM))
         out[n] = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     return out
 
@@ -170,7 +173,8 @@ def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, 
             assert d_worker.recv_ranges.free_bytes == d_worker.recv_ranges.capacity
             from turbowire.connector.stats import iter_counters
 
-            counts = {labels.get("reason"): v for name, labels, v in iter_counters(d_worker.stats.data)
+            counts = {labels.get("reason"): v
+                      for name, labels, v in iter_counters(d_worker.stats.data)
                       if name == "failures"}
             assert counts == {"checksum": 1}
         else:

@@ -38,8 +38,9 @@ def test_promtool_rule_unit_tests() -> None:
 
 def _exporter(kv_role: str, preset: str):
     """A real prometheus_client HTTP exporter carrying the connector's metrics."""
-    from turbowire.connector.prom import build_prom_metrics
     from vllm.config import KVTransferConfig
+
+    from turbowire.connector.prom import build_prom_metrics
 
     reg = CollectorRegistry()
     types = {

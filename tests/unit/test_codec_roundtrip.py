@@ -51,7 +51,8 @@ def test_round_trip(preset: str, dim: int, tokens: int, offset: int) -> None:
     k, v = kv(tokens, 3, dim, seed=tokens + dim)
     enc = codec.encode(2, k, v, tag=99, token_offset=offset)
     assert enc.nbytes == len(enc.to_bytes()) == codec.encoded_nbytes(2, tokens, 3, offset)
-    for payload in (enc, enc.to_bytes(), bytearray(enc.to_bytes()), memoryview(enc.to_bytes()), enc.data):
+    for payload in (enc, enc.to_bytes(), bytearray(enc.to_bytes()), memoryview(enc.to_bytes()),
+                    enc.data):
         k2, v2 = codec.decode(2, payload, expected_tag=99)
         assert k2.shape == k.shape and k2.dtype == k.dtype
         assert rel_mse(k2, k) <= LOSSY_BOUND[preset]
@@ -102,7 +103,8 @@ def test_bits_per_element_counts_metadata() -> None:
         assert 4.0 + 16 / dim < tq4 < 4.0 + 16 / dim + 0.1
     # ordering of the ladder
     bpe = {p: Codec(p, 128, 4).bits_per_element(1) for p in PRESETS}
-    assert bpe["raw"] > bpe["k8v4"] > bpe["k5v4"] > bpe["tq4"] > bpe["k4v3"] > bpe["tq3"] > bpe["k3v2"] > bpe["tq2"]
+    assert (bpe["raw"] > bpe["k8v4"] > bpe["k5v4"] > bpe["tq4"] > bpe["k4v3"] > bpe["tq3"]
+            > bpe["k3v2"] > bpe["tq2"])
 
 
 # ---- refusal of bad input ------------------------------------------------------------------

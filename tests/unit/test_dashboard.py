@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from support.promql_check import (
     DASHBOARD_PATH as DASHBOARD,
 )
@@ -21,6 +20,7 @@ from support.promql_check import (
 from support.promql_check import (
     substitute_grafana_vars as _substitute,
 )
+
 from turbowire.metrics_catalog import ENGINE_METRICS, PROXY_METRICS, exported_series_names
 
 GENERATOR = REPO_ROOT / "deploy" / "grafana" / "generate.py"

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from turbowire.codec import (
     ChecksumError,
     Codec,

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from turbowire.codec import Codec
-from turbowire.kernels import DecodeItem, EncodeItem, PagedKVLayout, cpu_dispatch, decode_into, encode_into
+from turbowire.kernels import (
+    DecodeItem,
+    EncodeItem,
+    PagedKVLayout,
+    cpu_dispatch,
+    decode_into,
+    encode_into,
+)
 from turbowire.kernels.cpu_attn_layout import (
     VLLM_CPU_ATTN_ISAS,
     CpuCacheLayoutError,
@@ -138,7 +145,8 @@ def test_an_unknown_non_separable_placement_is_served_generically():
     n = 45
     key = torch.randn(n, H, d).to(torch.bfloat16)
     value = torch.randn(n, H, d).to(torch.bfloat16)
-    _swizzled_write(key, value, cache, torch.tensor([[2, 4][t // bs] * bs + t % bs for t in range(n)]))
+    _swizzled_write(key, value, cache,
+                    torch.tensor([[2, 4][t // bs] * bs + t % bs for t in range(n)]))
     codec = Codec("raw", d, 1)
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
     assert not cpu_dispatch.applies(codec, cache, layout, buf)  # no C form: the reference serves

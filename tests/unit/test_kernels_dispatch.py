@@ -90,10 +90,12 @@ def test_a_corrupt_chunk_writes_nothing() -> None:
     layout = PagedKVLayout.from_cache(src)
     codec = Codec("tq4", 64, 1)
     staging = torch.zeros(1 << 16, dtype=torch.uint8)
-    a, b = encode_into(codec, 0, src, layout, [EncodeItem([0], 0, 32, 0), EncodeItem([1], 0, 32, 32768)], staging)
+    a, b = encode_into(codec, 0, src, layout,
+                       [EncodeItem([0], 0, 32, 0), EncodeItem([1], 0, 32, 32768)], staging)
     staging[32768 + 200] ^= 0xFF
     with pytest.raises(ChecksumError):
-        decode_into(codec, 0, dst, layout, [DecodeItem([2], 0, 32, 0, a), DecodeItem([3], 0, 32, 32768, b)], staging)
+        decode_into(codec, 0, dst, layout,
+                    [DecodeItem([2], 0, 32, 0, a), DecodeItem([3], 0, 32, 32768, b)], staging)
     assert bool((dst == GUARD).all())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from turbowire.codec import ChecksumError, Codec, StreamSpec
 from turbowire.codec.presets import LayerPolicy, Preset
 from turbowire.kernels import (
@@ -86,7 +87,8 @@ def test_fp8_layers_take_one_scale_pair_per_layer() -> None:
                    for i in range(LAYERS)]
     out = torch.zeros_like(ref)
     jobs = [(i, src[i], layout, _enc_items(i)) for i in range(LAYERS)]
-    assert encode_layers_into(codec, jobs, out, kv_scales=[(s.k, s.v) for s in scales]) == ref_written
+    assert (encode_layers_into(codec, jobs, out, kv_scales=[(s.k, s.v) for s in scales])
+            == ref_written)
     assert torch.equal(out, ref)
     dst_ref = _caches(torch.float8_e4m3fn, fill=0.0)
     dst = _caches(torch.float8_e4m3fn, fill=0.0)

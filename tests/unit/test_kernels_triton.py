@@ -18,7 +18,6 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 import triton.language.standard  # noqa: E402
 
 if type(triton.language.standard.cdiv).__name__ != "InterpretedFunction":
@@ -95,8 +94,8 @@ CASES = {
     # T = 70 in tiles of 16: the chunk mean folds 8 tiles through the binary counter
     "tq4-d64-cpu-bs64-multitile": Case("tq4", 64, "cpu_packed", 64, torch.bfloat16, ((0, 70),), LUT,
                                        heads=1),
-    "k4v3-d256-LBNHC-bs128-lanes2": Case("k4v3", 256, "LBNHC", 128, torch.bfloat16, ((0, 20),), SMALL,
-                                         heads=1),
+    "k4v3-d256-LBNHC-bs128-lanes2": Case("k4v3", 256, "LBNHC", 128, torch.bfloat16, ((0, 20),),
+                                         SMALL, heads=1),
     "k3v2-d128-offset-lanes2": Case("k3v2", 128, "LBNHC", 16, torch.bfloat16, ((5, 30),),
                                     KernelConfig(num_warps=1, tile_rows=16, lanes=2), heads=1),
     # one 16-byte piece per lane (head_dim/8 lanes): 4 butterfly stages across lanes, 2- and 1-bit
@@ -107,7 +106,8 @@ CASES = {
                              heads=1),
     # a whole row per thread
     "tq3-d64-lanes1": Case("tq3", 64, "LBHNC", 16, torch.bfloat16, ((0, 21),),
-                           KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1), heads=1),
+                           KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1),
+                           heads=1),
     # a whole row per thread (the lloyd default): in-register butterfly, carried-threshold
     # quantizer for 1-4 bits, the select tree above, row-major gathers, word and byte planes
     "tq4-d128-lanes1": Case("tq4", 128, "LBNHC", 16, torch.bfloat16, ((0, 40), (40, 9)),
@@ -123,7 +123,8 @@ CASES = {
     "k5v4-raw-d64-lanes1": Case("k5v4", 64, "LBNHC", 16, torch.bfloat16, ((0, 18),),
                                 KernelConfig(num_warps=2, tile_rows=32, lanes=1, decode_lanes=1)),
     "raw-d128-lanes1": Case("raw", 128, "LBHNC", 16, torch.bfloat16, ((7, 20),),
-                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1), heads=1),
+                            KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1),
+                            heads=1),
     "bits1-bits2-d64-lanes1": Case(
         custom(StreamSpec("lloyd", bits=1, center=True, sink_tokens=1),
                StreamSpec("lloyd", bits=2), 103),
@@ -139,7 +140,8 @@ CASES = {
     "bits1-bits6-d64": Case(
         custom(StreamSpec("lloyd", bits=1, center=True, sink_tokens=1),
                StreamSpec("lloyd", bits=6), 101),
-        64, "LBHNC", 16, torch.bfloat16, ((0, 24), (24, 17)), KernelConfig(num_warps=1, tile_rows=16, qmode=0),
+        64, "LBHNC", 16, torch.bfloat16, ((0, 24), (24, 17)),
+        KernelConfig(num_warps=1, tile_rows=16, qmode=0),
     ),
     "hi-eighths-d64-fp16": Case(
         custom(StreamSpec("lloyd", bits=2, center=True, hi_eighths=2),
@@ -203,15 +205,18 @@ def test_bytes_and_values_match_the_reference(name: str) -> None:
     ref = torch.zeros(len(case.chunks) << 16, dtype=torch.uint8)
     out = torch.full_like(ref, 0xA5)  # stale bytes: padding must be written as zeros
     w_ref = encode_into(codec, 2, src, layout, enc_items, ref, impl="reference")
-    w_tri = encode_into(codec, 2, src, layout, enc_items, out, impl="triton", kernel_config=case.config)
+    w_tri = encode_into(codec, 2, src, layout, enc_items, out, impl="triton",
+                        kernel_config=case.config)
     assert w_tri == w_ref
     for item, n in zip(enc_items, w_ref):
         a = ref[item.out_offset : item.out_offset + n]
         b = out[item.out_offset : item.out_offset + n]
         assert torch.equal(a, b), f"first differing byte {int((a != b).nonzero()[0])} of {n}"
     _, dec_items = _items(case, src_blocks, dst_blocks, w_ref)
-    dst_ref = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, 0, fill=GUARD)
-    dst_tri = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, 0, fill=GUARD)
+    dst_ref = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, 0,
+                         fill=GUARD)
+    dst_tri = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, 0,
+                         fill=GUARD)
     decode_into(codec, 2, dst_ref, layout, dec_items, ref, impl="reference")
     decode_into(codec, 2, dst_tri, layout, dec_items, out, impl="triton", kernel_config=case.config)
     assert torch.equal(dst_tri, dst_ref)
@@ -254,7 +259,9 @@ OTHER_ORDER_CASES = ["tq4-d128-lanes1", "k3v2-d128-offset-lanes2", "tq4-d64-cpu-
 
 
 @pytest.mark.parametrize("name", OTHER_ORDER_CASES)
-def test_both_pointer_orders_give_the_same_bytes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_both_pointer_orders_give_the_same_bytes(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import triton.language as tl
 
     from turbowire.kernels import triton_codec
@@ -317,20 +324,23 @@ def test_remote_indices_and_offsets_are_refused_before_any_launch() -> None:
     with pytest.raises(BlockIndexError, match="outside"):
         encode_into(codec, 1, src, layout, [EncodeItem([3, 1], 0, 20, 65520)], out, **kw)
     with pytest.raises(BlockIndexError, match="same staging bytes"):
-        encode_into(codec, 1, src, layout, [EncodeItem([3, 1], 0, 20, 0), EncodeItem([4], 0, 8, 64)], out, **kw)
+        encode_into(codec, 1, src, layout,
+                    [EncodeItem([3, 1], 0, 20, 0), EncodeItem([4], 0, 8, 64)], out, **kw)
     item = dec[0]
     overlapping = [item, DecodeItem([8, 9], 10, 10, item.in_offset, item.nbytes, 11)]
     with pytest.raises(BlockIndexError, match="same cache slots"):
         decode_into(codec, 1, dst, layout, overlapping, staging, **kw)
     with pytest.raises(BlockIndexError, match="block ids"):
-        decode_into(codec, 1, dst, layout, [DecodeItem([-1, 2], 0, 20, 0, item.nbytes, 11)], staging, **kw)
+        decode_into(codec, 1, dst, layout, [DecodeItem([-1, 2], 0, 20, 0, item.nbytes, 11)],
+                    staging, **kw)
     assert bool((dst == GUARD).all())
 
 
 def test_several_layers_and_policies_in_one_call() -> None:
     """Boundary layers use another policy: one launch per policy, layers in separate tensors."""
     fp8 = StreamSpec("fp8", bits=8)
-    preset = Preset("custom103", 103, "boundary test", LayerPolicy(fp8, StreamSpec("lloyd", bits=2)),
+    preset = Preset("custom103", 103, "boundary test",
+                    LayerPolicy(fp8, StreamSpec("lloyd", bits=2)),
                     boundary=LayerPolicy(StreamSpec("raw"), StreamSpec("raw")), boundary_layers=1)
     codec = Codec(preset, 64, 3)
     caches = [make_cache("LBHNC", 16, 1, 64, torch.bfloat16, seed=10 + i) for i in range(3)]
@@ -358,7 +368,8 @@ def test_several_layers_and_policies_in_one_call() -> None:
 FP8_SCALES = (0.0625, 0.11)
 FP8_CASES = {
     "tq4-d64-LBNHC-f8": ("tq4", 64, "LBNHC", torch.float8_e4m3fn, SMALL),
-    "k8v4-d128-LBHNC-u8": ("k8v4", 128, "LBHNC", torch.uint8, KernelConfig(num_warps=1, tile_rows=16, qmode=0)),
+    "k8v4-d128-LBHNC-u8": ("k8v4", 128, "LBHNC", torch.uint8,
+                           KernelConfig(num_warps=1, tile_rows=16, qmode=0)),
     "raw-d64-u8-lanes1": ("raw", 64, "LBNHC", torch.uint8,
                           KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1)),
     "tq3-d128-f8-lanes1": ("tq3", 128, "LBHNC", torch.float8_e4m3fn,
@@ -384,12 +395,14 @@ def test_fp8_caches_match_the_reference(name: str) -> None:
     enc_items, _ = _items(case, src_blocks, dst_blocks)
     ref = torch.zeros(len(case.chunks) << 16, dtype=torch.uint8)
     out = torch.full_like(ref, 0xA5)
-    w_ref = encode_into(codec, 1, src, layout, enc_items, ref, impl="reference", kv_scales=FP8_SCALES)
+    w_ref = encode_into(codec, 1, src, layout, enc_items, ref, impl="reference",
+                        kv_scales=FP8_SCALES)
     w_tri = encode_into(codec, 1, src, layout, enc_items, out, impl="triton", kernel_config=cfg,
                         kv_scales=FP8_SCALES)
     assert w_tri == w_ref
     for item, n in zip(enc_items, w_ref):
-        assert torch.equal(ref[item.out_offset : item.out_offset + n], out[item.out_offset : item.out_offset + n])
+        assert torch.equal(ref[item.out_offset : item.out_offset + n],
+                           out[item.out_offset : item.out_offset + n])
     _, dec_items = _items(case, src_blocks, dst_blocks, w_ref)
     dst_ref = make_fp8_cache(kind, dim, storage, 0, fill=GUARD)
     dst_tri = make_fp8_cache(kind, dim, storage, 0, fill=GUARD)
@@ -427,4 +440,5 @@ def test_fp8_caches_need_their_scales() -> None:
             encode_into(codec, 1, src, layout, item, staging, impl=impl, kv_scales=(0.5, 0.0))
     bf16 = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, seed=1)
     with pytest.raises(CacheLayoutError, match="only apply to fp8 caches"):
-        encode_into(codec, 1, bf16, PagedKVLayout.from_cache(bf16), item, staging, kv_scales=(1.0, 1.0))
+        encode_into(codec, 1, bf16, PagedKVLayout.from_cache(bf16), item, staging,
+                    kv_scales=(1.0, 1.0))

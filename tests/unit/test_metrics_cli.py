@@ -21,9 +21,10 @@ from turbowire.metrics_summary import Histo, MetricsFormatError, Snapshot, summa
 
 
 def _engine_registry(kv_role: str = "kv_producer"):
+    from vllm.config import KVTransferConfig
+
     from turbowire.connector.prom import build_prom_metrics
     from turbowire.connector.stats import TurboWireConnectorStats
-    from vllm.config import KVTransferConfig
 
     reg = CollectorRegistry()
     types = {c: functools.partial(c, registry=reg) for c in (Gauge, Counter, Histogram)}
@@ -115,7 +116,6 @@ def test_cli_once_fails_on_unreachable_url() -> None:
 
 def test_logged_totals_from_vllm_log_lines() -> None:
     from turbowire.connector.stats import TurboWireConnectorStats
-
     from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
 
     lines = []

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
 from turbowire.connector.prom import build_kv_connector_stats, build_prom_metrics, role_label
 from turbowire.connector.stats import TurboWireConnectorStats
-
 from turbowire.metrics_catalog import ENGINE_METRICS
 
 

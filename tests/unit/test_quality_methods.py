@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from turbowire.codec import Codec
 from turbowire.quality.methods import CodecMethod
 
 
-@pytest.mark.parametrize(("preset", "head_dim", "tokens"), [("tq4", 64, 300), ("k4v3", 128, 77), ("tq3", 64, 512)])
-def test_codec_method_equals_the_reference_chunk_by_chunk(preset: str, head_dim: int, tokens: int) -> None:
+@pytest.mark.parametrize(("preset", "head_dim", "tokens"),
+                         [("tq4", 64, 300), ("k4v3", 128, 77), ("tq3", 64, 512)])
+def test_codec_method_equals_the_reference_chunk_by_chunk(
+    preset: str, head_dim: int, tokens: int
+) -> None:
     gen = torch.Generator().manual_seed(tokens)
     k = torch.randn(tokens, 3, head_dim, generator=gen).to(torch.bfloat16) * 3
     v = torch.randn(tokens, 3, head_dim, generator=gen).to(torch.bfloat16)

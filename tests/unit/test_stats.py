@@ -7,6 +7,7 @@ import pickle
 import threading
 
 import pytest
+
 from turbowire.connector.stats import (
     MAX_OBSERVATIONS_PER_SERIES,
     StatsLabelError,

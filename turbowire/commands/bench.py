@@ -34,11 +34,14 @@ def e2e(
         help="Comma list: 'nixl' and 'tw:<preset>' (default: nixl, tw:raw, tw:<recommended>)."),
     presets: str = typer.Option(
         "tq4", "--presets", help="Recommended turbowire presets when --configs is not given."),
-    rates: str = typer.Option("0.2,1,10,none", "--rates", help="Link rates, Gbit/s ('none' = unshaped)."),
-    lengths: str = typer.Option("", "--lengths", help="Prompt lengths in tokens (default 2000; --full 1k-8k)."),
+    rates: str = typer.Option(
+        "0.2,1,10,none", "--rates", help="Link rates, Gbit/s ('none' = unshaped)."),
+    lengths: str = typer.Option(
+        "", "--lengths", help="Prompt lengths in tokens (default 2000; --full 1k-8k)."),
     concurrency: str = typer.Option("1,4", "--concurrency", help="Concurrency levels."),
     mode: str = typer.Option("primed", "--mode", help="primed (P prefix-cached prompts) or fresh."),
-    requests: int = typer.Option(0, "--requests", help="Sequential requests per conc-1 cell (0: plan default)."),
+    requests: int = typer.Option(
+        0, "--requests", help="Sequential requests per conc-1 cell (0: plan default)."),
     out: Path = typer.Option(Path("bench/e2e/out"), "--out", help="Output folder."),
 ) -> None:
     """Prefill engine (root netns) and decode engine (own netns behind a tbf-shaped veth),
@@ -105,7 +108,12 @@ def projection(
       turbowire bench projection --kernel tq4=2.4:2.6 --source "bench/RESULTS.md kernels, H200"
     """
     from turbowire.bench_e2e.projection import (
-        LLAMA_31_8B, LLAMA_31_70B, NAIVE_H200_RW_BPS, NAIVE_SOURCE, markdown, project,
+        LLAMA_31_8B,
+        LLAMA_31_70B,
+        NAIVE_H200_RW_BPS,
+        NAIVE_SOURCE,
+        markdown,
+        project,
         rates_from_rw,
     )
 

@@ -1,4 +1,5 @@
-"""``turbowire demo``: prefill + decode engines and the proxy on localhost, a few prompts, a table."""
+"""``turbowire demo``: prefill + decode engines and the proxy on localhost, a few prompts, a
+table."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ def print_start_error(console: Console, exc: EngineStartError) -> None:
     if exc.root_cause:
         body.append(exc.root_cause, style="bold")
     else:
-        body.append(f"{exc.reason}; no error line found in its log", style="bold")
+        body.append(f"{exc.what}; no error line found in its log", style="bold")
     body.append(f"\n\nfull log: {exc.log_path}" if exc.log_path else "")
     if exc.root_cause:
-        body.append(f"\n({exc.reason})", style="dim")
+        body.append(f"\n({exc.what})", style="dim")
     console.print(Panel(body, title=f"{exc.label} failed to start", title_align="left",
                         border_style="red", expand=False))
     if not exc.root_cause and exc.tail:

@@ -17,13 +17,22 @@ def _ints(text: str) -> list[int]:
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     def eval_cmd(
-        lengths: str = typer.Option("512,2048", "--lengths", help="Prompt lengths (comma-separated)."),
-        windows: int = typer.Option(16, "--windows", min=2, help="Corpus windows per prompt length."),
-        continuation: int = typer.Option(32, "--continuation", min=1, help="Continuation tokens scored per window."),
-        presets: str = typer.Option("", "--presets", help="Presets to evaluate (comma-separated; default: all but raw)."),
-        baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Include fp8, KIVI and vLLM TurboQuant reproductions."),
-        model: str = typer.Option("", "--model", help="HF model folder (default: the bundled SmolLM2-135M-Instruct)."),
-        markdown: Path | None = typer.Option(None, "--markdown", help="Also write the tables as Markdown here."),
+        lengths: str = typer.Option(
+            "512,2048", "--lengths", help="Prompt lengths (comma-separated)."),
+        windows: int = typer.Option(
+            16, "--windows", min=2, help="Corpus windows per prompt length."),
+        continuation: int = typer.Option(
+            32, "--continuation", min=1, help="Continuation tokens scored per window."),
+        presets: str = typer.Option(
+            "", "--presets",
+            help="Presets to evaluate (comma-separated; default: all but raw)."),
+        baselines: bool = typer.Option(
+            True, "--baselines/--no-baselines",
+            help="Include fp8, KIVI and vLLM TurboQuant reproductions."),
+        model: str = typer.Option(
+            "", "--model", help="HF model folder (default: the bundled SmolLM2-135M-Instruct)."),
+        markdown: Path | None = typer.Option(
+            None, "--markdown", help="Also write the tables as Markdown here."),
         plot: Path | None = typer.Option(None, "--plot", help="Write a KL-vs-bits PNG here."),
         threads: int = typer.Option(2, "--threads", min=1, help="torch CPU threads."),
     ) -> None:
@@ -42,7 +51,13 @@ def register(app: typer.Typer) -> None:
           turbowire eval --markdown table.md --plot kl_vs_bits.png
         """
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         from turbowire.codec import list_presets
         from turbowire.quality.harness import EvalConfig, ModelUnderTest, evaluate
@@ -57,7 +72,8 @@ def register(app: typer.Typer) -> None:
         unknown = sorted(set(names) - set(list_presets()))
         if unknown:
             raise typer.BadParameter(f"unknown presets {unknown}; known: {list_presets()}")
-        config = EvalConfig(prompt_lengths=_ints(lengths), windows=windows, continuation=continuation, threads=threads)
+        config = EvalConfig(prompt_lengths=_ints(lengths), windows=windows,
+                            continuation=continuation, threads=threads)
         with console.status("loading the model"):
             mut = ModelUnderTest(model or None)
         methods = [CodecMethod(n, mut.head_dim, mut.num_layers) for n in names]
@@ -69,12 +85,14 @@ def register(app: typer.Typer) -> None:
                       TimeElapsedColumn(), console=console) as progress:
             task = progress.add_task("windows", total=len(config.prompt_lengths) * config.windows)
             results = evaluate(methods, config, mut,
-                               progress=lambda label, done, total: progress.update(task, completed=done, description=label))
+                               progress=lambda label, done, total: progress.update(
+                                   task, completed=done, description=label))
         for table in rich_tables(results):
             console.print(table)
         for check in check_targets(results):
             mark = "[green]met[/]" if check.met else "[red]not met[/]"
-            console.print(f"P={check.prompt_len} target {check.description}: {mark} ({check.detail})")
+            console.print(
+                f"P={check.prompt_len} target {check.description}: {mark} ({check.detail})")
         if markdown:
             markdown.write_text(to_markdown(results))
             console.print(f"wrote {markdown}")

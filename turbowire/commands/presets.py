@@ -36,7 +36,8 @@ def register(app: typer.Typer) -> None:
         for name in list_presets():
             p = get_preset(name)
             boundary = (
-                f"{p.boundary_layers}+{p.boundary_layers}: {p.boundary.k.short}/{p.boundary.v.short}"
+                f"{p.boundary_layers}+{p.boundary_layers}: "
+                f"{p.boundary.k.short}/{p.boundary.v.short}"
                 if p.boundary else "-"
             )
             body_layer = min(p.boundary_layers, num_layers - 1) if p.boundary else 0

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
           turbowire proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
           turbowire proxy -p http://10.0.0.1:8100 -p http://10.0.0.2:8100 -d http://10.0.0.3:8200 --host 0.0.0.0
-        """
+        """  # noqa: E501
         import uvicorn
 
         from turbowire.serving.proxy import ProxyConfigError, build_app

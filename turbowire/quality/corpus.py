@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 from importlib import resources
 
+from turbowire.errors import TurboWireError
+
 CORPUS_FILE = "corpus_en.txt"
 CORPUS_SHA256 = "77cfeb30ba1ba40cdbe0b8dc5123e7611bbfc62199c48a6c0966f522206c52a2"
 
 
-class CorpusError(RuntimeError):
+class CorpusError(TurboWireError, RuntimeError):
     """The bundled corpus is missing or was modified."""
 
 

@@ -93,7 +93,9 @@ class ModelUnderTest:
         cfg = self.model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.head_dim = int(
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        )
         self.name = model_path.rstrip("/").split("/")[-1]
 
     def windows(self, prompt_len: int, continuation: int, count: int) -> list[torch.Tensor]:
@@ -128,7 +130,10 @@ def evaluate(
             prompt, cont = window[:plen][None], window[plen:][None]
             out = mut.model(prompt, use_cache=True)
             layers = [
-                (layer.keys[0].transpose(0, 1).to(torch.bfloat16), layer.values[0].transpose(0, 1).to(torch.bfloat16))
+                (
+                    layer.keys[0].transpose(0, 1).to(torch.bfloat16),
+                    layer.values[0].transpose(0, 1).to(torch.bfloat16),
+                )
                 for layer in out.past_key_values.layers
             ]
             dense = sum(k.numel() + v.numel() for k, v in layers)
@@ -137,7 +142,9 @@ def evaluate(
                 cache = DynamicCache()
                 for li, (k, v) in enumerate(kv):
                     cache.update(
-                        k.to(torch.float32).transpose(0, 1)[None], v.to(torch.float32).transpose(0, 1)[None], li
+                        k.to(torch.float32).transpose(0, 1)[None],
+                        v.to(torch.float32).transpose(0, 1)[None],
+                        li,
                     )
                 logits = mut.model(cont, past_key_values=cache).logits[0].to(torch.float32)
                 return torch.log_softmax(logits, dim=-1)

@@ -21,7 +21,9 @@ class KVMethod(Protocol):
     name: str
     family: str  # "turbowire", "baseline" or "reproduction"
 
-    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def apply(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         ...
 
 
@@ -40,10 +42,18 @@ class CodecMethod:
         self.name = self.preset if isinstance(self.preset, str) else self.preset.name
         self.codec = Codec(self.preset, self.head_dim, self.num_layers, self.chunk_tokens)
 
-    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def apply(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Encode/decode [T, H, D] through the kernels' dispatch: the C codec when it is built
         (same bytes as the reference, tests/unit/test_kernels_cpu.py), else the reference."""
-        from turbowire.kernels import DecodeItem, EncodeItem, PagedKVLayout, decode_into, encode_into
+        from turbowire.kernels import (
+            DecodeItem,
+            EncodeItem,
+            PagedKVLayout,
+            decode_into,
+            encode_into,
+        )
 
         num_tokens, heads, dim = k.shape
         chunk = self.chunk_tokens
@@ -88,7 +98,9 @@ def fp8_unscaled(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32), x.numel()
 
 
-def uniform_per_vector(x: torch.Tensor, bits: int, group: int | None = None) -> tuple[torch.Tensor, int]:
+def uniform_per_vector(
+    x: torch.Tensor, bits: int, group: int | None = None
+) -> tuple[torch.Tensor, int]:
     """Asymmetric min/max uniform quantizer over the last dim (or groups of it); fp16 scale+zero."""
     shape = x.shape
     g = group or shape[-1]
@@ -148,7 +160,9 @@ class SimulatedMethod:
     num_layers: int
     boundary_layers: int = 0
 
-    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def apply(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         if layer < self.boundary_layers or layer >= self.num_layers - self.boundary_layers:
             return k, v, (k.numel() + v.numel()) * 2
         kq, kb = self.key_fn(k.to(torch.float32))
@@ -165,9 +179,11 @@ VLLM_PRESETS: dict[str, tuple[Callable, Callable]] = {
 
 
 def baseline_methods(num_layers: int) -> list[SimulatedMethod]:
-    """fp8, KIVI-4/2, and the four vLLM TurboQuant presets (all layers, and first/last 2 in bf16)."""
+    """fp8, KIVI-4/2, and the four vLLM TurboQuant presets (all layers, and first/last 2 in
+    bf16)."""
     methods = [
-        SimulatedMethod("fp8 e4m3 (per-vector scale)", "baseline", fp8_per_vector, fp8_per_vector, num_layers),
+        SimulatedMethod("fp8 e4m3 (per-vector scale)", "baseline", fp8_per_vector, fp8_per_vector,
+                        num_layers),
         SimulatedMethod("KIVI-4", "baseline", lambda k: uniform_per_channel(k, 4, 32),
                         lambda v: uniform_per_vector(v, 4, group=32), num_layers),
         SimulatedMethod("KIVI-2", "baseline", lambda k: uniform_per_channel(k, 2, 32),
@@ -175,6 +191,6 @@ def baseline_methods(num_layers: int) -> list[SimulatedMethod]:
     ]
     for name, (kf, vf) in VLLM_PRESETS.items():
         methods.append(SimulatedMethod(f"vLLM {name} (repro)", "reproduction", kf, vf, num_layers))
-        methods.append(SimulatedMethod(f"vLLM {name} +bf16 boundary 2+2 (repro)", "reproduction", kf, vf,
-                                       num_layers, boundary_layers=2))
+        methods.append(SimulatedMethod(f"vLLM {name} +bf16 boundary 2+2 (repro)", "reproduction",
+                                       kf, vf, num_layers, boundary_layers=2))
     return methods

@@ -56,7 +56,9 @@ def rich_tables(results: Sequence[MethodResult]) -> list:
                 table.add_column(h, justify="left" if h in ("method", "kind") else "right")
             tables.append(table)
         assert table is not None
-        style = "bold green" if row[1] == "turbowire" else ("dim" if row[1] == "reference" else None)
+        style = (
+            "bold green" if row[1] == "turbowire" else ("dim" if row[1] == "reference" else None)
+        )
         table.add_row(*row, style=style)
     return tables
 
@@ -86,7 +88,8 @@ def plot(results: Sequence[MethodResult], path: Path) -> None:
     ax.set_ylabel("mean KL(ref || test) over continuation tokens")
     ax.set_title("KV codec quality on SmolLM2-135M-Instruct (P/D handoff)")
     handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=f) for f, c in colors.items()]
-    handles += [plt.Line2D([], [], color="k", marker=m, ls="", label=f"P={p}") for p, m in markers.items()]
+    handles += [plt.Line2D([], [], color="k", marker=m, ls="", label=f"P={p}")
+                for p, m in markers.items()]
     ax.legend(handles=handles, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

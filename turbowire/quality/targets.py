@@ -33,11 +33,13 @@ def check_targets(results: Sequence[MethodResult]) -> list[TargetCheck]:
         kivi4 = _find(results, plen, "KIVI-4")
         specs = []
         if vllm4:
-            specs.append((4.4, 0.6 * vllm4.kl_mean, f"<= 4.4 b/e: KL <= 0.6x vLLM 4bit_nc ({vllm4.kl_mean:.4f})"))
+            specs.append((4.4, 0.6 * vllm4.kl_mean,
+                          f"<= 4.4 b/e: KL <= 0.6x vLLM 4bit_nc ({vllm4.kl_mean:.4f})"))
         if kivi4:
             specs.append((5.0, kivi4.kl_mean, f"<= 5.0 b/e: KL <= KIVI-4 ({kivi4.kl_mean:.4f})"))
         if vllm3:
-            specs.append((3.4, 0.6 * vllm3.kl_mean, f"<= 3.4 b/e: KL <= 0.6x vLLM 3bit_nc ({vllm3.kl_mean:.4f})"))
+            specs.append((3.4, 0.6 * vllm3.kl_mean,
+                          f"<= 3.4 b/e: KL <= 0.6x vLLM 3bit_nc ({vllm3.kl_mean:.4f})"))
         for max_bpe, max_kl, text in specs:
             fits = [r for r in ours if r.bits_per_element <= max_bpe]
             best = min(fits, key=lambda r: r.kl_mean) if fits else None
@@ -50,5 +52,6 @@ def check_targets(results: Sequence[MethodResult]) -> list[TargetCheck]:
         met = best is not None and best.top1_mean >= 0.95
         detail = (f"{best.name}: {best.ratio:.2f}x, top-1 {best.top1_mean * 100:.1f}%" if best
                   else "no preset at >= 4.5x")
-        checks.append(TargetCheck(plen, ">= 4.5x ratio with top-1 >= 95%", best.name if best else None, detail, met))
+        checks.append(TargetCheck(plen, ">= 4.5x ratio with top-1 >= 95%",
+                                  best.name if best else None, detail, met))
     return checks

@@ -96,7 +96,9 @@ def scrape_turbowire(url: str) -> dict[str, float]:
     return totals
 
 
-def stream_chat(proxy_url: str, prompt: str, max_tokens: int, request_id: str) -> tuple[str, float, float]:
+def stream_chat(
+    proxy_url: str, prompt: str, max_tokens: int, request_id: str
+) -> tuple[str, float, float]:
     """(completion, ttft seconds, total seconds) of one streamed chat request via the proxy."""
     import json
 
@@ -190,11 +192,15 @@ def run_demo(
             before = scrape_turbowire(d.url)
             text, ttft, total = stream_chat(x.url, prompt, max_tokens, rid)
             after = _wait_counter(
-                d.url, "turbowire_kv_transfers_total", before.get("turbowire_kv_transfers_total", 0.0)
+                d.url,
+                "turbowire_kv_transfers_total",
+                before.get("turbowire_kv_transfers_total", 0.0),
             )
             rec = httpx.get(f"{x.url}/turbowire/requests/{rid}", timeout=10).json()
 
-            def delta(name: str, after: dict[str, float] = after, before: dict[str, float] = before) -> float:
+            def delta(
+                name: str, after: dict[str, float] = after, before: dict[str, float] = before
+            ) -> float:
                 return after.get(name, 0.0) - before.get(name, 0.0)
 
             n_xfer = delta("turbowire_kv_transfers_total")
@@ -211,6 +217,8 @@ def run_demo(
                 total_ms=total * 1e3,
             )
             run.results.append(result)
-            on_progress(f"request {i + 1}/{len(prompts)} done ({result.prompt_tokens} prompt tokens)")
+            on_progress(
+                f"request {i + 1}/{len(prompts)} done ({result.prompt_tokens} prompt tokens)"
+            )
         on_progress("shutting down engines and proxy")
     return run

@@ -27,13 +27,14 @@ from typing import Any
 import httpx
 
 from turbowire.engine_log import find_root_cause, log_tail
+from turbowire.errors import TurboWireError
 
 logger = logging.getLogger(__name__)
 
 ENGINE_LOCK = Path("/tmp/tw-engine.lock")
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(TurboWireError, RuntimeError):
     """A process did not become healthy.
 
     The message leads with the root cause found in its log (vLLM's last lines only say "see root
@@ -51,7 +52,7 @@ class EngineStartError(RuntimeError):
         tail: str = "",
     ) -> None:
         self.label = label  # "prefill engine", "proxy", ...
-        self.reason = reason  # "exited with code 1", "not healthy after 600 s"
+        self.what = reason  # "exited with code 1", "not healthy after 600 s"
         self.log_path = log_path
         self.root_cause = root_cause
         self.tail = tail
@@ -78,12 +79,12 @@ class EngineStartError(RuntimeError):
         if self.root_cause:
             head = f"{self.label} failed to start: {self.root_cause}"
         else:
-            head = f"{self.label} failed to start ({self.reason}); no error line found in its log"
+            head = f"{self.label} failed to start ({self.what}); no error line found in its log"
         lines = [head]
         if self.log_path is not None:
             lines.append(f"  full log: {self.log_path}")
         if self.root_cause:
-            lines.append(f"  ({self.reason})")
+            lines.append(f"  ({self.what})")
         return "\n".join(lines)
 
 

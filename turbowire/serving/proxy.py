@@ -30,6 +30,8 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from turbowire.errors import TurboWireError
+
 logger = logging.getLogger(__name__)
 
 PREFILL_PARAMS = {
@@ -44,7 +46,7 @@ DROP_FOR_PREFILL = ("stream_options", "min_tokens")
 MAX_RECORDS = 1024
 
 
-class ProxyConfigError(ValueError):
+class ProxyConfigError(TurboWireError, ValueError):
     """Bad proxy arguments (no engines, malformed URLs)."""
 
 
@@ -81,7 +83,9 @@ class _Metrics:
         self._m: dict[str, Any] = {}
         for spec in PROXY_METRICS:
             if spec.type == "counter":
-                metric: Any = Counter(spec.base_name, spec.help, spec.labels, registry=self.registry)
+                metric: Any = Counter(
+                    spec.base_name, spec.help, spec.labels, registry=self.registry
+                )
             elif spec.type == "gauge":
                 metric = Gauge(spec.base_name, spec.help, spec.labels, registry=self.registry)
             else:
@@ -197,7 +201,9 @@ class PDProxy:
         self.metrics.in_flight(1)
         t0 = time.perf_counter()
         try:
-            p_resp = await self._clients[p_url].post(endpoint, json=prefill_body(body), headers=headers)
+            p_resp = await self._clients[p_url].post(
+                endpoint, json=prefill_body(body), headers=headers
+            )
         except httpx.HTTPError as exc:
             return self._error(rec, "prefill_error", 502, f"prefill engine {p_url}: {exc}")
         rec.prefill_seconds = time.perf_counter() - t0
@@ -212,7 +218,9 @@ class PDProxy:
         if kv:
             d_body["kv_transfer_params"] = kv
         else:
-            logger.warning("prefill engine %s returned no kv_transfer_params: decode recomputes", p_url)
+            logger.warning(
+                "prefill engine %s returned no kv_transfer_params: decode recomputes", p_url
+            )
         client = self._clients[d_url]
         if stream:
             return StreamingResponse(
@@ -227,7 +235,9 @@ class PDProxy:
             return self._error(rec, "decode_error", 502, f"decode engine {d_url}: {exc}")
         now = time.perf_counter()
         if d_resp.status_code != 200:
-            return self._error(rec, "decode_error", d_resp.status_code, d_resp.text, passthrough=True)
+            return self._error(
+                rec, "decode_error", d_resp.status_code, d_resp.text, passthrough=True
+            )
         d_json = d_resp.json()
         report = (d_json.get("kv_transfer_params") or {}).get("turbowire_load")
         rec.decode_report = report if isinstance(report, dict) else None
@@ -261,7 +271,9 @@ class PDProxy:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     rec.outcome = "decode_error"
-                    yield f"data: {json.dumps({'error': text, 'status': resp.status_code})}\n\n".encode()
+                    yield (
+                        f"data: {json.dumps({'error': text, 'status': resp.status_code})}\n\n"
+                    ).encode()
                     return
                 async for chunk in resp.aiter_bytes():
                     if first and chunk.strip():
@@ -365,7 +377,9 @@ def build_app(
     async def request_record(request_id: str) -> Response:
         rec = proxy.records.get(request_id)
         if rec is None:
-            raise HTTPException(404, f"no record of request {request_id} (kept: last {MAX_RECORDS})")
+            raise HTTPException(
+                404, f"no record of request {request_id} (kept: last {MAX_RECORDS})"
+            )
         return JSONResponse(asdict(rec))
 
     return app

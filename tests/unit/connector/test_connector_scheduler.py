@@ -81,7 +81,9 @@ def test_chunked_prefill_encodes_each_block_once_and_partial_last(prefill):
     mgr.blocks["r1"] = [7, 8, 9, 10]
     meta = step(sched, {"r1": 60})
     blocks = meta.saves[0].blocks
-    assert [(b.index, b.block_id, b.num_tokens) for b in blocks] == [(1, 8, 32), (2, 9, 32), (3, 10, 4)]
+    assert [(b.index, b.block_id, b.num_tokens) for b in blocks] == [
+        (1, 8, 32), (2, 9, 32), (3, 10, 4)
+    ]
     assert meta.saves[0].block_ids == [7, 8, 9, 10]
     assert all(b.tag == block_tag("r1", b.index) for b in blocks)
     req.num_computed_tokens = 100
