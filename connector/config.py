@@ -136,6 +136,16 @@ class Size(ValueKind):
         return format_size(value)
 
 
+def _number(key: str, raw: Any, convert: Any, accepted: tuple[type, ...], what: str) -> Any:
+    """``convert(raw)`` for a JSON number or a numeric string, else the config error."""
+    if isinstance(raw, bool) or not isinstance(raw, accepted):
+        raise ConnectorConfigError(f"{key} must be {what} (got {raw!r})")
+    try:
+        return convert(raw)
+    except ValueError as exc:
+        raise ConnectorConfigError(f"{key} must be {what} (got {raw!r})") from exc
+
+
 @dataclass(frozen=True)
 class Seconds(ValueKind):
     """A duration in seconds with a lower bound."""
@@ -143,12 +153,7 @@ class Seconds(ValueKind):
     minimum: float
 
     def parse(self, key: str, raw: Any) -> float:
-        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-            raise ConnectorConfigError(f"{key} must be a number of seconds (got {raw!r})")
-        try:
-            number = float(raw)
-        except ValueError as exc:
-            raise ConnectorConfigError(f"{key} must be a number of seconds (got {raw!r})") from exc
+        number = _number(key, raw, float, (int, float, str), "a number of seconds")
         self.check(key, number)
         return number
 
@@ -176,12 +181,7 @@ class Int(ValueKind):
     def parse(self, key: str, raw: Any) -> int:
         if isinstance(raw, float) and raw.is_integer():
             raw = int(raw)
-        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-            raise ConnectorConfigError(f"{key} must be an integer (got {raw!r})")
-        try:
-            number = int(raw)
-        except ValueError as exc:
-            raise ConnectorConfigError(f"{key} must be an integer (got {raw!r})") from exc
+        number = _number(key, raw, int, (int, str), "an integer")
         self.check(key, number)
         return number
 
