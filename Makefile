@@ -35,7 +35,15 @@ $(VENV)/.cpu-codec: setup.py $(wildcard kernels/cpu/*.c kernels/cpu/*.h) | $(VEN
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-venv: $(VENV)/.installed $(VENV)/.cpu-codec
+# checkov (the Helm chart's policy check) in a venv of its own: it pins packaging 23.2, which
+# pytest and pip in the main venv cannot run with
+CHECKOV_VENV ?= .venv-checkov
+$(CHECKOV_VENV)/.installed:
+	python3 -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q "checkov==3.3.30"
+	touch $@
+
+venv: $(VENV)/.installed $(VENV)/.cpu-codec $(CHECKOV_VENV)/.installed
 
 setup: system-deps venv
 	$(VENV)/bin/turbowire models prepare
@@ -45,7 +53,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 test: setup lint
-	$(PY) -m pytest -q tests
+	CHECKOV=$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q tests
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit
@@ -69,4 +77,4 @@ bench-kernels:
 	$(if $(wildcard $(PY)),$(PY),python3) bench/kernels.py --out $${OUT:-bench/results/kernels} $(BENCH_KERNELS_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info .pytest_cache .hypothesis
