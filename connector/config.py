@@ -12,6 +12,7 @@ failing the first transfer.
 
 from __future__ import annotations
 
+import abc
 import difflib
 import ipaddress
 import json
@@ -87,7 +88,7 @@ def format_size(n: int) -> str:
 # -- value kinds: parse (JSON-ish extra config), check (a typed value), describe (README) ----------
 
 
-class ValueKind:
+class ValueKind(abc.ABC):
     """How one key's value is read, bounded and documented."""
 
     def parse(self, key: str, raw: Any) -> Any:
@@ -98,9 +99,9 @@ class ValueKind:
     def check(self, key: str, value: Any) -> None:
         """Raise ``ConnectorConfigError`` naming ``key`` when ``value`` is out of bounds."""
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """The README "values" cell: the type and what is allowed."""
-        raise NotImplementedError
 
     def show(self, value: Any) -> str:
         """A value as the README default column spells it (inside backticks)."""
