@@ -1,0 +1,388 @@
+"""The chunk directory and the engine registry, in Redis (redis-py, sync).
+
+Why separate from the blobs: the proxy and the schedulers ask "how many leading chunks of this
+prompt are stored, on every rank?" many times per second; answering from a small hash per chunk
+costs one pipelined round trip instead of one existence probe per rank and blob, and it may live
+on another Redis than the bytes.
+
+Keys (every one starts with ``<namespace>/``; names hold no ``/``, so shapes never collide):
+
+* ``{scope.prefix}/{hash hex}``: a hash ``{"r<rank>": nbytes}`` (7 segments), TTL refreshed by
+  :meth:`Directory.publish` and by lookups that hit;
+* ``{namespace}/engines/{engine_id}``: a JSON string (3 segments), TTL = the registration's;
+* the blobs of :mod:`turbowire.store.tiers` are ``{scope.prefix}/{hash hex}/r<rank>`` (8).
+
+A dead Redis must not slow a scheduler loop down: socket timeouts are short, and after one
+failure every call raises :class:`DirectoryUnavailable` at once for ``retry_seconds`` (a circuit
+breaker) before the network is tried again. Nothing read is unpickled: values are ints or JSON,
+validated, and a malformed entry is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from turbowire.errors import TurboWireError
+from turbowire.store.keys import CHUNK_HASH_BYTES, StoreKeyError, StoreScope
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+_HEX_RE = re.compile(rf"^[0-9a-f]{{{2 * CHUNK_HASH_BYTES}}}$")
+_RANK_FIELD_RE = re.compile(r"^r(\d{1,4})$")
+_SCAN_COUNT = 1000
+_BATCH = 500
+_MAX_INT = 1 << 62
+
+T = TypeVar("T")
+
+ACCEPTED_SCHEMES = ("redis", "rediss")
+
+
+class StoreUrlError(TurboWireError, ValueError):
+    """A store URL this store cannot use (only ``redis://`` and ``rediss://`` are)."""
+
+    reason = "bad_params"
+
+
+def check_store_url(url: str) -> str:
+    """Validate a store URL; ``redis://host[:port][/db]`` or ``rediss://...`` only."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ACCEPTED_SCHEMES:
+        raise StoreUrlError(
+            f"store URL {redact_url(str(url))!r} is not supported: use "
+            "redis://host:port[/db] or rediss://host:port[/db] (resp:// and other LMCache "
+            "schemes are refused: they corrupt variable-size objects)"
+        )
+    if not parts.hostname:
+        raise StoreUrlError(f"store URL {redact_url(url)!r} has no host")
+    try:
+        parts.port
+    except ValueError as exc:
+        raise StoreUrlError(f"store URL {redact_url(url)!r} has a bad port: {exc}") from exc
+    path = parts.path.strip("/")
+    if path and not path.isdigit():
+        raise StoreUrlError(
+            f"store URL {redact_url(url)!r}: the path must be a database number (got {path!r})"
+        )
+    return url
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (for logs and errors)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.rsplit("@", 1)[-1]
+        user = parts.username or ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    except ValueError:
+        return "<unparsable url>"
+
+
+
+class DirectoryUnavailable(TurboWireError):
+    """The directory's Redis did not answer (or failed recently: the breaker is open)."""
+
+    reason = "store_unavailable"
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One engine's registration: where to reach it and what it can reuse."""
+
+    engine_id: str
+    role: str
+    side_channel: str  # "host:port"
+    http_url: str | None
+    scope: dict  # StoreScope.to_dict()
+    record: dict  # compatibility record (opaque JSON-able dict)
+    heartbeat: float = field(default=0.0)  # unix time of the last registration
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> EngineEntry | None:
+        """The entry, or None when ``raw`` is not a well-formed registration."""
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                return None
+            engine_id, role, side = data["engine_id"], data["role"], data["side_channel"]
+            http_url, scope, record = data.get("http_url"), data["scope"], data["record"]
+            heartbeat = data["heartbeat"]
+            if not (isinstance(engine_id, str) and _ENGINE_ID_RE.match(engine_id)):
+                return None
+            if not isinstance(role, str) or not isinstance(side, str) or ":" not in side:
+                return None
+            if http_url is not None and not isinstance(http_url, str):
+                return None
+            if not isinstance(scope, dict) or not isinstance(record, dict):
+                return None
+            StoreScope.from_dict(scope)
+            if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) \
+                    or not math.isfinite(heartbeat):
+                return None
+            return cls(engine_id, role, side, http_url, scope, record, float(heartbeat))
+        except (ValueError, TypeError, KeyError, StoreKeyError):
+            return None
+
+
+def _as_count(value: object) -> int | None:
+    """A stored byte count: a non-negative decimal integer, else None."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str) or not value.isdigit() or len(value) > 19:
+        return None
+    n = int(value)
+    return n if n < _MAX_INT else None
+
+
+def _chunk_key(scope: StoreScope, chunk_hash: bytes) -> str:
+    if not isinstance(chunk_hash, (bytes, bytearray)) or len(chunk_hash) != CHUNK_HASH_BYTES:
+        raise StoreKeyError(f"a chunk hash has {CHUNK_HASH_BYTES} bytes")
+    return f"{scope.prefix}/{bytes(chunk_hash).hex()}"
+
+
+def _batches(items: Sequence[T], n: int = _BATCH) -> Iterator[Sequence[T]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+class Directory:
+    """Which chunks are stored (per rank), and which engines are registered."""
+
+    def __init__(self, url: str, *, ttl_seconds: float, socket_timeout_seconds: float = 0.25,
+                 retry_seconds: float = 2.0) -> None:
+        check_store_url(url)
+        if not ttl_seconds > 0 or math.isinf(ttl_seconds):
+            raise StoreKeyError(f"directory ttl_seconds must be positive (got {ttl_seconds})")
+        self.url = url
+        self.ttl_ms = max(1, int(ttl_seconds * 1000))
+        self.retry_seconds = float(retry_seconds)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        # No retries: a refused connect must fail at once (the pool already replaces dead
+        # connections it hands out); the breaker decides when to try again.
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout_seconds,
+            socket_connect_timeout=socket_timeout_seconds, retry=Retry(NoBackoff(), 0),
+            max_connections=64,
+        )
+        self._closed = False
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open after a failure (no network I/O)."""
+        return not self._closed and time.monotonic() >= self._down_until
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise DirectoryUnavailable("the directory is closed")
+        if time.monotonic() < self._down_until:
+            raise DirectoryUnavailable(f"directory {redact_url(self.url)} is down (retrying "
+                                       f"after {self.retry_seconds:.1f}s)")
+        try:
+            return fn(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            with self._lock:
+                first = time.monotonic() >= self._down_until
+                self._down_until = time.monotonic() + self.retry_seconds
+            if first:
+                logger.warning("directory %s unavailable in %s (%s: %s)",
+                               redact_url(self.url), what, type(exc).__name__, exc)
+            raise DirectoryUnavailable(f"directory {what}: {type(exc).__name__}") from exc
+        except RedisError as exc:
+            raise DirectoryUnavailable(f"directory {what}: {exc}") from exc
+
+    def _pipeline(self, what: str, build: Any) -> list[Any]:
+        """Run one pipelined round trip; per-command errors come back as exception objects."""
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe)
+            return pipe.execute(raise_on_error=False)
+
+        results = self._call(what, run)
+        for r in results:  # a connection error inside a pipeline is the whole trip's
+            if isinstance(r, (RedisConnectionError, RedisTimeoutError)):
+                raise DirectoryUnavailable(f"directory {what}: {r}")
+        return results
+
+    # -- chunks --------------------------------------------------------------------------
+
+    def publish(self, scope: StoreScope, entries: Sequence[tuple[bytes, int, int]]) -> None:
+        """Record that these ranks' bytes of these chunks are stored (one round trip)."""
+        rows: list[tuple[str, str, int]] = []
+        for chunk_hash, rank, nbytes in entries:
+            if not 0 <= rank < scope.tp_size:
+                raise StoreKeyError(f"rank {rank} is outside tp_size {scope.tp_size}")
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+                raise StoreKeyError(f"nbytes must be a non-negative int (got {nbytes!r})")
+            rows.append((_chunk_key(scope, chunk_hash), f"r{rank}", nbytes))
+        if not rows:
+            return
+
+        def build(pipe: Any) -> None:
+            seen: set[str] = set()
+            for key, fld, nbytes in rows:
+                pipe.hset(key, fld, nbytes)
+                seen.add(key)
+            for key in seen:
+                pipe.pexpire(key, self.ttl_ms)
+
+        self._pipeline("publish", build)
+
+    def _rank_bytes(self, scope: StoreScope, hashes: Sequence[bytes],
+                    what: str) -> tuple[list[str], list[list[int | None]]]:
+        keys = [_chunk_key(scope, h) for h in hashes]
+        fields = [f"r{r}" for r in range(scope.tp_size)]
+        if not keys:
+            return keys, []
+
+        def build(pipe: Any) -> None:
+            for key in keys:
+                pipe.hmget(key, fields)
+
+        rows: list[list[int | None]] = []
+        for res in self._pipeline(what, build):
+            if isinstance(res, Exception) or not isinstance(res, list):
+                rows.append([None] * len(fields))  # e.g. WRONGTYPE: a malformed entry
+            else:
+                rows.append([None if v is None else _as_count(v) for v in res])
+        return keys, rows
+
+    def longest_prefix(self, scope: StoreScope, hashes: Sequence[bytes]) -> int:
+        """How many leading chunks are stored on all ``scope.tp_size`` ranks; refreshes the TTL
+        of those (a second pipelined trip, only when there are hits)."""
+        keys, rows = self._rank_bytes(scope, hashes, "longest_prefix")
+        hits = 0
+        for row in rows:
+            if any(v is None for v in row):
+                break
+            hits += 1
+        if hits:
+            def build(pipe: Any) -> None:
+                for key in keys[:hits]:
+                    pipe.pexpire(key, self.ttl_ms)
+
+            self._pipeline("refresh", build)
+        return hits
+
+    def stored_bytes(self, scope: StoreScope, hashes: Sequence[bytes]) -> list[int]:
+        """Per chunk, the bytes recorded over all ranks (0 = absent)."""
+        _, rows = self._rank_bytes(scope, hashes, "stored_bytes")
+        return [sum(v for v in row if v is not None) for row in rows]
+
+    def forget(self, scope: StoreScope, hashes: Sequence[bytes]) -> None:
+        """Drop these chunks' entries (a load found them gone or corrupt)."""
+        keys = [_chunk_key(scope, h) for h in hashes]
+        for batch in _batches(keys):
+            self._call("forget", self._client.delete, *batch)
+
+    # -- engines -------------------------------------------------------------------------
+
+    @staticmethod
+    def _engine_key(namespace: str, engine_id: str) -> str:
+        if not isinstance(engine_id, str) or not _ENGINE_ID_RE.match(engine_id):
+            raise StoreKeyError(f"engine_id {engine_id!r} must be 1-128 of [A-Za-z0-9_.:-]")
+        return f"{namespace}/engines/{engine_id}"
+
+    def register_engine(self, entry: EngineEntry, ttl_seconds: float) -> None:
+        """(Re-)register an engine until ``ttl_seconds`` from now; heartbeat = now."""
+        scope = StoreScope.from_dict(entry.scope)
+        if not ttl_seconds > 0 or math.isinf(ttl_seconds):
+            raise StoreKeyError(f"engine ttl_seconds must be positive (got {ttl_seconds})")
+        data = asdict(entry)
+        data["heartbeat"] = time.time()
+        try:
+            value = json.dumps(data, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise StoreKeyError(f"engine entry is not JSON-able: {exc}") from exc
+        key = self._engine_key(scope.namespace, entry.engine_id)
+        self._call("register_engine", self._client.set, key, value,
+                   px=max(1, int(ttl_seconds * 1000)))
+
+    def _scan(self, what: str, match: str, type_: str | None) -> list[bytes]:
+        def run() -> list[bytes]:
+            return list(self._client.scan_iter(match=match, count=_SCAN_COUNT, _type=type_))
+        return self._call(what, run)
+
+    def engines(self, namespace: str) -> list[EngineEntry]:
+        """The registered (not expired) engines of a namespace; malformed entries skipped."""
+        StoreScope(namespace, "x", "x", 1, 1, 1)  # validates the namespace
+        keys = self._scan("engines", f"{namespace}/engines/*", "string")
+        out: list[EngineEntry] = []
+        for batch in _batches(keys):
+            values = self._call("engines", self._client.mget, list(batch))
+            for key, raw in zip(batch, values, strict=True):
+                if raw is None:
+                    continue  # expired between SCAN and MGET
+                entry = EngineEntry.from_json(raw)
+                expect = f"{namespace}/engines/{entry.engine_id}".encode() if entry else b""
+                if entry is None or key != expect or entry.scope.get("namespace") != namespace:
+                    logger.debug("skipping malformed engine entry %r", key)
+                    continue
+                out.append(entry)
+        out.sort(key=lambda e: e.engine_id)
+        return out
+
+    def usage(self, namespace: str) -> tuple[int, int]:
+        """(chunks, bytes) recorded in the namespace's directory (SCAN; for reports)."""
+        StoreScope(namespace, "x", "x", 1, 1, 1)
+        keys = [k for k in self._scan("usage", f"{namespace}/*", "hash")
+                if self._is_chunk_key(k)]
+        chunks = total = 0
+        for batch in _batches(keys):
+            def build(pipe: Any, batch: Sequence[bytes] = batch) -> None:
+                for key in batch:
+                    pipe.hgetall(key)
+
+            for res in self._pipeline("usage", build):
+                if isinstance(res, Exception) or not isinstance(res, dict) or not res:
+                    continue
+                counts = [_as_count(v) for f, v in res.items()
+                          if _RANK_FIELD_RE.match(f.decode("ascii", "replace"))]
+                if not counts or any(c is None for c in counts):
+                    continue
+                chunks += 1
+                total += sum(c for c in counts if c is not None)
+        return chunks, total
+
+    @staticmethod
+    def _is_chunk_key(key: bytes) -> bool:
+        parts = key.decode("ascii", "replace").split("/")
+        return len(parts) == 7 and bool(_HEX_RE.match(parts[6])) and parts[5].startswith("tp")
+
+    def close(self) -> None:
+        """Drop the connections (no I/O is waited on)."""
+        self._closed = True
+        try:
+            self._client.close()
+        except (RedisError, OSError) as exc:
+            logger.debug("closing the directory client: %s", exc)
+
+
+__all__ = [
+    "Directory", "DirectoryUnavailable", "EngineEntry", "StoreUrlError", "check_store_url",
+    "redact_url",
+]
