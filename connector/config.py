@@ -38,6 +38,12 @@ MAX_DECODE_PIPELINE_GROUPS = 256
 DEFAULT_NIXL_PROGRESS_DELAY_US = 100
 MIN_LEASE_SECONDS = 1.0
 MIN_AUTH_TOKEN_CHARS = 8
+TRANSPORTS = ("nixl", "store", "both")
+STORE_URL_SCHEMES = ("redis://", "rediss://")
+DEFAULT_STORE_LOCAL_CPU_BYTES = 1 << 30
+DEFAULT_STORE_TTL_SECONDS = 3600.0
+DEFAULT_STORE_CHUNK_TOKENS = 256
+STORE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 
 TABLE_BEGIN = "<!-- config-table -->"
 TABLE_END = "<!-- /config-table -->"
@@ -508,6 +514,77 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "pinned to one core that halved the codec's speed. `0` restores NIXL's behaviour.",
         default=DEFAULT_NIXL_PROGRESS_DELAY_US,
     ),
+    ConfigKey(
+        "transport",
+        Choice(TRANSPORTS),
+        "`nixl`: P/D hand-off peer to peer over NIXL. `store`: every engine saves the compressed "
+        "full chunks of the prompts it computes into the store (LMCache tiers, Redis) and loads "
+        "any stored prefix of a new prompt instead of computing it. `both`: the NIXL hand-off, "
+        "and every computed chunk also stored. A request opts out of saving with "
+        '`kv_transfer_params: {"turbowire_store": false}`.',
+        default="nixl",
+    ),
+    ConfigKey(
+        "store_url",
+        Text(
+            "a redis:// or rediss:// URL",
+            ((lambda s: s.startswith(STORE_URL_SCHEMES) and len(s) > len("redis://"),
+              "{key}={value!r} is not supported: use redis://HOST:PORT (or rediss://)"),),
+            nullable=True,
+        ),
+        "Where the store's bytes live, shared by engines: an LMCache remote URL, "
+        "`redis://HOST:PORT[/DB]`. Unset: only this engine's local tiers. With only `store_url` "
+        "set, the directory lives in the same Redis.",
+    ),
+    ConfigKey(
+        "directory_url",
+        Text(
+            "a redis:// or rediss:// URL",
+            ((lambda s: s.startswith(STORE_URL_SCHEMES) and len(s) > len("redis://"),
+              "{key}={value!r} is not supported: use redis://HOST:PORT (or rediss://)"),),
+            nullable=True,
+        ),
+        "The chunk directory and engine registry (Redis): which chunks are stored, which engines "
+        "serve them. The scheduler answers lookups from it without reading the bytes.",
+        default_doc="= `store_url`",
+        derive=lambda values, env: values["store_url"],
+    ),
+    ConfigKey(
+        "store_local_cpu_bytes",
+        Size(0),
+        "LMCache local CPU tier of this engine (compressed chunks in host memory); `0` = off.",
+        default=DEFAULT_STORE_LOCAL_CPU_BYTES,
+    ),
+    ConfigKey(
+        "store_local_disk",
+        Text("a directory path", ((bool, "{key} must be a directory path"),), nullable=True),
+        "LMCache local disk tier (a directory); unset = off. LMCache keeps the disk index in "
+        "memory: files of an earlier run are not found again after a restart.",
+    ),
+    ConfigKey(
+        "store_ttl_seconds",
+        Seconds(1.0),
+        "Lifetime of a stored chunk and its directory entry in Redis, refreshed on every hit.",
+        default=DEFAULT_STORE_TTL_SECONDS,
+    ),
+    ConfigKey(
+        "store_namespace",
+        Text(
+            "1-64 of letters, digits and `_.:-`",
+            ((lambda s: bool(STORE_NAME_RE.match(s)),
+              "{key}={value!r} must be 1-64 characters of letters, digits and _.:-"),),
+        ),
+        "Prefix of every store and directory key: deployments sharing a Redis never see each "
+        "other's chunks.",
+        default="turbowire",
+    ),
+    ConfigKey(
+        "store_chunk_tokens",
+        Int(1, 1 << 16, " (a multiple of the KV block size)"),
+        "Tokens per stored chunk (a multiple of the block size). Only full chunks are stored; "
+        "a chunk is reused only after the identical prefix.",
+        default=DEFAULT_STORE_CHUNK_TOKENS,
+    ),
 )
 
 CONFIG_KEYS_BY_NAME: Mapping[str, ConfigKey] = {k.name: k for k in CONFIG_KEYS}
@@ -556,6 +633,14 @@ class TurboWireConfig:
     min_transfer_tokens: int = _default("min_transfer_tokens")
     decode_pipeline_groups: int = _default("decode_pipeline_groups")
     nixl_progress_delay_us: int = _default("nixl_progress_delay_us")
+    transport: str = _default("transport")
+    store_url: str | None = _default("store_url")
+    directory_url: str | None = _default("directory_url")
+    store_local_cpu_bytes: int = _default("store_local_cpu_bytes")
+    store_local_disk: str | None = _default("store_local_disk")
+    store_ttl_seconds: float = _default("store_ttl_seconds")
+    store_namespace: str = _default("store_namespace")
+    store_chunk_tokens: int = _default("store_chunk_tokens")
 
     def __post_init__(self) -> None:
         """Every field is checked here, so a directly built config is as safe as a parsed one."""
@@ -568,6 +653,28 @@ class TurboWireConfig:
                     f"nixl_backend_params names backend {backend!r} that is not in "
                     f"nixl_backends {list(self.nixl_backends)}"
                 )
+        if self.uses_store:
+            if not (self.store_url or self.store_local_cpu_bytes or self.store_local_disk):
+                raise ConnectorConfigError(
+                    f"transport={self.transport!r} needs somewhere to store chunks: set store_url "
+                    "(redis://HOST:PORT), store_local_cpu_bytes or store_local_disk"
+                )
+            if self.load_failure_policy == "fail":
+                raise ConnectorConfigError(
+                    f"load_failure_policy='fail' cannot be used with transport={self.transport!r}: "
+                    "a store miss must recompute, never fail the request; use 'recompute' or "
+                    "transport='nixl'"
+                )
+
+    @property
+    def uses_store(self) -> bool:
+        """Whether this engine saves to and loads from the store."""
+        return self.transport in ("store", "both")
+
+    @property
+    def uses_nixl(self) -> bool:
+        """Whether this engine takes part in the NIXL P/D hand-off."""
+        return self.transport in ("nixl", "both")
 
     @classmethod
     def from_extra_config(

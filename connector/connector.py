@@ -61,6 +61,10 @@ def load_config(vllm_config: VllmConfig) -> TurboWireConfig:
     if config.load_failure_policy is not None:
         # vLLM's scheduler reads the policy right after building the connector.
         ktc.kv_load_failure_policy = config.load_failure_policy
+    elif config.uses_store:
+        # A store miss (chunk evicted, corrupt, Redis down) recomputes from the first missing
+        # chunk; it is never an error to the client (the config refuses an explicit "fail").
+        ktc.kv_load_failure_policy = "recompute"
     return config
 
 
@@ -144,6 +148,16 @@ class TurboWireConnector(KVConnectorBase_V1):
     ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Peer (P2P) or store tokens; vLLM counts them in prompt_tokens_by_source."""
+        if num_external_tokens == 0:
+            return {}
+        if self._sched().cache_hit_source(request.request_id) == "store":
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {CacheHitSource.P2P: num_external_tokens}
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
 
@@ -211,6 +225,9 @@ class TurboWireConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._worker().wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_invalid_blocks()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         finished, _ = self._worker().get_transfer_results()

@@ -80,12 +80,42 @@ class LoadRequest:
 
 
 @dataclass
+class StoreChunk:
+    """One stored chunk of a request: tokens [token_start, token_start + chunk_tokens)."""
+
+    token_start: int
+    chunk_hash: bytes
+
+
+@dataclass
+class StoreSave:
+    """Encode these full chunks of a request (computed this step) and store them."""
+
+    request_id: str
+    block_ids: list[int]  # the request's block table, at least up to the last chunk's end
+    chunks: list[StoreChunk]
+
+
+@dataclass
+class StoreLoad:
+    """Load these stored chunks into the request's blocks; tokens before ``first_token`` are
+    already in vLLM's cache (its prefix cache) and are never written."""
+
+    request_id: str
+    block_ids: list[int]
+    first_token: int
+    chunks: list[StoreChunk]
+
+
+@dataclass
 class TurboWireConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
+    store_saves: list[StoreSave] = field(default_factory=list)
+    store_loads: list[StoreLoad] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.saves and not self.loads
+        return not (self.saves or self.loads or self.store_saves or self.store_loads)
 
 
 @dataclass
@@ -100,6 +130,7 @@ class LoadReport:
     handshake_seconds: float = 0.0
     wait_seconds: float = 0.0  # load queued -> READs posted
     failed: str | None = None
+    source: str = "nixl"  # "nixl" (peer to peer) or "store"
 
     def merge(self, other: LoadReport) -> LoadReport:
         """Combine TP ranks: bytes add up, times take the slowest rank."""
@@ -112,6 +143,7 @@ class LoadReport:
             handshake_seconds=max(self.handshake_seconds, other.handshake_seconds),
             wait_seconds=max(self.wait_seconds, other.wait_seconds),
             failed=self.failed or other.failed,
+            source=self.source,
         )
 
     def as_params(self) -> dict[str, Any]:
@@ -124,12 +156,15 @@ class LoadReport:
             "handshake_ms": round(self.handshake_seconds * 1e3, 3),
             "wait_ms": round(self.wait_seconds * 1e3, 3),
             "failed": self.failed,
+            "source": self.source,
         }
 
 
 @dataclass
 class TurboWireWorkerMeta(KVConnectorWorkerMetadata):
     reports: dict[str, LoadReport] = field(default_factory=dict)
+    # chunk hash (hex) -> TP ranks that stored it in their local tiers this interval
+    stored: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, TurboWireWorkerMeta):
@@ -137,7 +172,10 @@ class TurboWireWorkerMeta(KVConnectorWorkerMetadata):
         merged = dict(self.reports)
         for rid, report in other.reports.items():
             merged[rid] = merged[rid].merge(report) if rid in merged else report
-        return TurboWireWorkerMeta(merged)
+        stored = dict(self.stored)
+        for chunk_hash, ranks in other.stored.items():
+            stored[chunk_hash] = stored.get(chunk_hash, 0) + ranks
+        return TurboWireWorkerMeta(merged, stored)
 
 
 @dataclass

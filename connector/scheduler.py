@@ -117,6 +117,20 @@ class TurboWireScheduler:
         self._clients: Any = None
         self._stop = threading.Event()
         self._maintenance: threading.Thread | None = None
+        self.store = None
+        if setup.store_scope is not None:
+            from turbowire.connector.store_scheduler import StorePlanner
+
+            self.store = StorePlanner(
+                config, setup.store_scope, self.block_size, engine_id, self.stats,
+                self._request_block_ids,
+            )
+            logger.info(
+                "turbowire store: transport %s, chunks of %d tokens, scope %s, store %s, "
+                "directory %s", config.transport, config.store_chunk_tokens,
+                setup.store_scope.prefix, _redact(config.store_url) or "local tiers only",
+                _redact(config.directory_url) or "none (local index)",
+            )
         self._publish_gauges()
         logger.info(
             "turbowire scheduler: engine %s, preset %s, %d layers (%d draft), block %d tokens, "
@@ -181,10 +195,16 @@ class TurboWireScheduler:
             )
             self._maintenance.start()
 
+    def _request_block_ids(self, request_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        return list(self._kv_cache_manager.get_block_ids(request_id)[0])
+
     def shutdown(self) -> None:
         self._stop.set()
         if self._maintenance is not None:
             self._maintenance.join(timeout=2)
+        if self.store is not None:
+            self.store.close()
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -220,6 +240,9 @@ class TurboWireScheduler:
         if self._pending_loads:
             meta.loads = self._pending_loads
             self._pending_loads = []
+        if self.store is not None:
+            meta.store_loads = self.store.take_loads()
+            meta.store_saves = self.store.plan_saves(scheduler_output.num_scheduled_tokens)
         self._reap()
         return meta
 
@@ -231,6 +254,10 @@ class TurboWireScheduler:
             for req_id, report in worker_meta.reports.items():
                 prev = self._reports.get(req_id)
                 self._reports[req_id] = prev.merge(report) if prev else report
+                if self.store is not None and report.source == "store" and report.failed:
+                    self.store.load_failed(req_id, report.tokens)
+            if self.store is not None and worker_meta.stored:
+                self.store.note_stored(worker_meta.stored)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Dense blocks are always freed now (False); the compressed copy waits under a lease."""
@@ -250,10 +277,25 @@ class TurboWireScheduler:
                 return False, {"turbowire_load": report.as_params()}
             return False, None
         self._parsed.pop(req_id, None)
+        store_report = None
+        if self.store is not None:
+            self.store.finished(req_id)
+            report = self._reports.pop(req_id, None)
+            if report is not None:
+                store_report = {"turbowire_load": report.as_params()}
         state = self._send.pop(req_id, None)
         if state is None:
-            return False, None
-        return False, self._finish_send(state)
+            return False, store_report
+        params = self._finish_send(state)
+        if store_report is not None and params is not None:
+            params = {**params, **store_report}
+        return False, params or store_report
+
+    def cache_hit_source(self, request_id: str) -> str:
+        """Where a request's external tokens come from: ``store`` or ``p2p``."""
+        if self.store is not None and self.store.is_store_load(request_id):
+            return "store"
+        return "p2p"
 
     def get_stats(self) -> TurboWireConnectorStats | None:
         if self.stats.is_empty():
@@ -265,7 +307,13 @@ class TurboWireScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Remote prompt tokens beyond the local prefix hit; side-effect free (cached parse)."""
-        if not self.is_consumer or not is_remote_prefill(request.kv_transfer_params):
+        if not is_remote_prefill(request.kv_transfer_params):
+            if self.store is None:
+                return 0, False
+            self._start_maintenance()  # the registry heartbeat
+            count = self.store.lookup(request, num_computed_tokens)
+            return (count, True) if count > 0 else (0, False)
+        if not self.is_consumer:
             return 0, False
         if request.request_id in self._load_queued:
             return 0, False
@@ -281,6 +329,9 @@ class TurboWireScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        if self.store is not None and not is_remote_prefill(request.kv_transfer_params):
+            self.store.after_alloc(request, blocks, num_external_tokens)
+            return
         if (
             not self.is_consumer
             or not is_remote_prefill(request.kv_transfer_params)
@@ -509,6 +560,11 @@ class TurboWireScheduler:
                     self._reap()
                 if self.is_consumer:
                     self._send_heartbeats()
+                if self.store is not None:
+                    self.store.maintain(
+                        self.vllm_config.kv_transfer_config.kv_role or "kv_both",
+                        f"{self.config.side_channel_host}:{self.side_channel_port}", self.record,
+                    )
             except Exception:  # noqa: BLE001 - a background hiccup must not kill the engine
                 logger.exception("turbowire maintenance step failed")
 
@@ -542,6 +598,14 @@ class TurboWireScheduler:
                     "prefill engine %s:%d no longer holds leases %s (expired?)",
                     host, port, list(reply.unknown)[:5],
                 )
+
+
+def _redact(url: str | None) -> str | None:
+    """A URL without its password, for logs."""
+    if not url or "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
 class _GaugedLeases:

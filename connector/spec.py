@@ -14,14 +14,16 @@ from typing import TYPE_CHECKING
 from turbowire.codec import Codec
 from turbowire.connector.codecs import codec_format_version, make_codec
 from turbowire.connector.compat import CompatibilityRecord, model_identity, speculative_factors
-from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout, layer_sort_key
+from turbowire.store.keys import StoreScope, model_slug
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 TRANSPORT = "nixl"  # the metric label of the peer-to-peer path
+STORE_TRANSPORT = "store"  # the metric label of the store path
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,10 @@ class EngineSetup:
     codec: Codec
     layout: StagingLayout
     record: CompatibilityRecord
-    is_producer: bool
-    is_consumer: bool
+    is_producer: bool  # stages KV for NIXL peers (kv_producer/kv_both, transport nixl/both)
+    is_consumer: bool  # READs KV from NIXL peers
     tp_size: int
+    store_scope: StoreScope | None = None  # set when the config's transport uses the store
 
     @classmethod
     def build(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -54,8 +57,26 @@ class EngineSetup:
             speculative_config=speculative_factors(vllm_config),
         )
         ktc = vllm_config.kv_transfer_config
-        return cls(geometry, codec, layout, record, bool(ktc.is_kv_producer),
-                   bool(ktc.is_kv_consumer), tp_size)
+        store_scope = None
+        if config.uses_store:
+            if config.store_chunk_tokens % geometry.block_size:
+                fit = max(1, config.store_chunk_tokens // geometry.block_size) * geometry.block_size
+                raise ConnectorConfigError(
+                    f"store_chunk_tokens={config.store_chunk_tokens} is not a multiple of the KV "
+                    f"block size {geometry.block_size}: use "
+                    f"{fit}"
+                )
+            store_scope = StoreScope(
+                namespace=config.store_namespace,
+                model=model_slug(f"{record.model}.{record.dtype}"),
+                preset=config.preset,
+                format_version=codec_format_version(),
+                chunk_tokens=config.store_chunk_tokens,
+                tp_size=tp_size,
+            )
+        # the NIXL roles: with transport "store" an engine neither stages nor READs from peers
+        return cls(geometry, codec, layout, record, bool(ktc.is_kv_producer) and config.uses_nixl,
+                   bool(ktc.is_kv_consumer) and config.uses_nixl, tp_size, store_scope)
 
 
 def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:

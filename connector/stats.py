@@ -55,6 +55,8 @@ HISTOGRAMS: tuple[str, ...] = (
     "decode_seconds",
     "transfer_seconds",
     "handshake_seconds",
+    "store_save_seconds",
+    "store_load_seconds",
 )
 #: Labels a histogram observation may carry; missing ones are exported as "".
 HISTOGRAM_LABELS: tuple[str, ...] = ("transport", "preset")
@@ -72,6 +74,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "store_lookups": ("result",),
     "store_lookup_bytes": ("result",),
     "stored_bytes": (),
+    "store_failures": ("operation", "reason"),
     "spec_positions": ("outcome",),
     "dropped_observations": (),
 }
@@ -95,6 +98,7 @@ KNOWN_REASONS: tuple[str, ...] = (
 )
 
 DIRECTIONS = ("send", "recv")
+STORE_OPERATIONS = ("save", "load", "lookup")
 
 #: Observations kept per histogram series inside one stats object; beyond this they are dropped
 #: and counted in ``dropped_observations`` (bounds memory when vLLM accumulates a long interval).
@@ -397,6 +401,12 @@ class TurboWireConnectorStats(KVConnectorStats):
     def record_stored(self, nbytes: int) -> None:
         """Encoded bytes written to the store."""
         self._inc("stored_bytes", {}, self._check_bytes("nbytes", nbytes))
+
+    def record_store_failure(self, operation: str, reason: str) -> None:
+        """A store operation (``save``, ``load``, ``lookup``) that failed, by reason."""
+        if operation not in STORE_OPERATIONS:
+            raise StatsLabelError(f"store operation {operation!r}: use one of {STORE_OPERATIONS}")
+        self._inc("store_failures", {"operation": operation, "reason": _check_reason(reason)}, 1)
 
     def record_spec(self, accepted: int, discarded: int) -> None:
         """Speculative positions on the decode side: accepted (kept) and discarded (never saved)."""

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from turbowire.connector.store_worker import StoreWorker
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,6 +61,8 @@ class TurboWireWorker:
         self.is_producer, self.is_consumer = setup.is_producer, setup.is_consumer
         self.geometry, self.codec = setup.geometry, setup.codec
         self.layout, self.record = setup.layout, setup.record
+        self.store_scope = setup.store_scope
+        self.store: StoreWorker | None = None
         self.layer_index = self.geometry.layer_index()
         self.stats = TurboWireConnectorStats()
         self.tp_rank = 0
@@ -98,6 +102,15 @@ class TurboWireWorker:
             self.tp_rank = get_tensor_model_parallel_rank()
         except (AssertionError, RuntimeError):
             self.tp_rank = 0
+        if self.store_scope is not None:
+            from turbowire.connector.store_worker import StoreWorker
+
+            self.store = StoreWorker(self.config, self.geometry, self.codec, self.store_scope,
+                                     self.tp_rank, self.caches, self.stats)
+        if not self.config.uses_nixl:
+            logger.info("turbowire worker tp%d: %d layers registered, store path only",
+                        self.tp_rank, len(self.kv_caches))
+            return
         transport = self.transport = make_transport(
             self.config, f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{id(self) & 0xFFFF:x}"
         )
@@ -163,6 +176,8 @@ class TurboWireWorker:
         self._saved_layers.add(layer)
 
     def wait_for_save(self, meta: TurboWireConnectorMetadata | None) -> None:
+        if meta is not None and meta.store_saves and self.store is not None:
+            self.store.save(meta.store_saves)
         if meta is None or not meta.saves or self.staging is None:
             self._saved_layers.clear()
             return
@@ -226,16 +241,31 @@ class TurboWireWorker:
     def start_load_kv(self, meta: TurboWireConnectorMetadata) -> None:
         if self.loader is not None:
             self.loader.start(meta.loads)
+        if self.store is not None and meta.store_loads:
+            self.store.start_loads(meta.store_loads)
 
     def get_transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished incl. failed, failed) since the last call."""
-        if self.loader is None:
-            return set(), set()
-        return self.loader.results()
+        """(finished incl. failed, failed) since the last call. A store load that stopped at a
+        bad chunk is finished, not failed: its bad blocks go to ``take_invalid_blocks`` and vLLM
+        recomputes from there."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        if self.loader is not None:
+            finished, failed = self.loader.results()
+        if self.store is not None:
+            finished = finished | self.store.results()
+        return finished, failed
+
+    def take_invalid_blocks(self) -> set[int]:
+        return self.store.take_invalid_blocks() if self.store is not None else set()
 
     def take_reports(self) -> TurboWireWorkerMeta | None:
         reports = self.loader.take_reports() if self.loader is not None else {}
-        return TurboWireWorkerMeta(reports) if reports else None
+        stored: dict[str, int] = {}
+        if self.store is not None:
+            store_reports, stored = self.store.take_reports()
+            reports = {**reports, **store_reports}
+        return TurboWireWorkerMeta(reports, stored) if reports or stored else None
 
     def get_stats(self) -> TurboWireConnectorStats | None:
         if self.stats.is_empty():
@@ -274,6 +304,8 @@ class TurboWireWorker:
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            self.store.close()
         if self.loader is not None:
             self.loader.close()
         if self._clients is not None:

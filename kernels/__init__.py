@@ -33,6 +33,7 @@ never import ``dispatch`` (tests/unit/test_kernels_imports.py checks it).
 from turbowire.kernels.dispatch import (
     decode_into,
     decode_layers_into,
+    decode_tail_into,
     encode_into,
     encode_layers_into,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "PagedKVLayout",
     "decode_into",
     "decode_layers_into",
+    "decode_tail_into",
     "encode_into",
     "encode_layers_into",
 ]

@@ -216,3 +216,40 @@ def decode_layers_into(
     for (layer, cache, layout, items), sc in zip(jobs, scales):
         decode_into(codec, layer, cache, layout, items, source, impl=impl,
                     kernel_config=kernel_config, kv_scales=sc)
+
+
+def decode_tail_into(
+    codec: Codec,
+    layer: int,
+    kv_cache: torch.Tensor,
+    layout: PagedKVLayout,
+    item: DecodeItem,
+    source: torch.Tensor,
+    skip_tokens: int,
+    *,
+    kv_scales: KVScales | tuple[float, float] | None = None,
+) -> None:
+    """Verify and decode one chunk but write only its tokens from ``skip_tokens`` on.
+
+    Why: a chunk that starts inside the part of a request vLLM already holds (its prefix cache,
+    block-aligned but not chunk-aligned) must not write over those blocks, which other requests
+    may share. The reference codec decodes the chunk; the layout scatters its tail. At most one
+    chunk per load takes this path."""
+    if not 0 < skip_tokens < item.num_tokens:
+        raise ValueError(f"skip_tokens={skip_tokens} must be inside the chunk's "
+                         f"{item.num_tokens} tokens")
+    scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
+    check_range(source, item.in_offset, item.nbytes, "source")
+    data = source[item.in_offset : item.in_offset + item.nbytes].cpu()
+    k, v = codec.decode(
+        layer, data, expected_tag=item.expected_tag, expected_tokens=item.num_tokens,
+        expected_offset=item.token_start,
+    )
+    k, v = k[skip_tokens:].to(kv_cache.device), v[skip_tokens:].to(kv_cache.device)
+    start = item.token_start + skip_tokens
+    layout.token_index(item.block_ids, start, k.shape[0])  # validate before writing
+    if scales is not None:
+        ks, vs = scales.as_fp32()
+        k, v = fp8_cache.quantize(k, ks), fp8_cache.quantize(v, vs)
+        kv_cache = fp8_cache.as_e4m3(kv_cache)
+    layout.scatter(kv_cache, item.block_ids, start, k, v)

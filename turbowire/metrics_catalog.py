@@ -108,7 +108,8 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Staging leases held for peers that have not released them yet.",
                stats_name="leases_outstanding"),
     MetricSpec("turbowire_store_lookups_total", "counter", ("result",),
-               "Store (LMCache) chunk lookups by result (hit, miss).",
+               "Store chunk lookups by result: hit (read, verified and decoded), miss (not "
+               "stored, or unusable when read).",
                stats_name="store_lookups"),
     MetricSpec("turbowire_store_lookup_bytes_total", "counter", ("result",),
                "Encoded bytes read from the store on hits, or wanted on misses.",
@@ -116,6 +117,18 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("turbowire_store_stored_bytes_total", "counter", (),
                "Encoded bytes written to the store.",
                stats_name="stored_bytes"),
+    MetricSpec("turbowire_store_failures_total", "counter", ("operation", "reason"),
+               "Store operations that failed, by operation (save, load, lookup) and reason "
+               "(store_unavailable, store_full, store_miss, checksum, format, ...). A failed load "
+               "or lookup is recomputed, a failed save is dropped: never an error to a client.",
+               stats_name="store_failures"),
+    MetricSpec("turbowire_store_save_duration_seconds", "histogram", _HIST,
+               "From the start of a chunk's encode to its bytes written in every store tier.",
+               stats_name="store_save_seconds"),
+    MetricSpec("turbowire_store_load_duration_seconds", "histogram", _HIST,
+               "Wall time of one request's load from the store: chunks read, verified and "
+               "decoded into the paged cache (reads overlap decodes).",
+               stats_name="store_load_seconds"),
     MetricSpec("turbowire_spec_positions_total", "counter", ("outcome",),
                "Speculative KV positions on the decode side: accepted (kept) or discarded.",
                stats_name="spec_positions"),
@@ -146,6 +159,15 @@ PROXY_METRICS: tuple[MetricSpec, ...] = (
                source="proxy"),
     MetricSpec("turbowire_proxy_request_duration_seconds", "histogram", (),
                "End-to-end request time through the proxy.", source="proxy"),
+    MetricSpec("turbowire_proxy_routes_total", "counter", ("route",),
+               "Routing decisions of the proxy: pd (no store directory configured), store_hit "
+               "(every full prompt chunk is in the store: decode engine only, no prefill), or "
+               "P/D because of pd_partial, pd_miss, pd_short, pd_no_scope, pd_unsupported_prompt, "
+               "pd_tokenize_error, pd_directory_error.", source="proxy"),
+    MetricSpec("turbowire_proxy_directory_lookup_duration_seconds", "histogram", (),
+               "Time to decide a request's route with the store directory: the decode engine's "
+               "/tokenize call, chunk hashing and the Redis prefix lookup (failed lookups "
+               "included).", source="proxy"),
 )  # fmt: skip
 
 ALL_METRICS: tuple[MetricSpec, ...] = ENGINE_METRICS + PROXY_METRICS
@@ -153,14 +175,16 @@ BY_STATS_NAME: dict[str, MetricSpec] = {m.stats_name: m for m in ENGINE_METRICS}
 
 #: Labels any turbowire metric may carry (bounded value sets; never ids or free text).
 ALLOWED_LABELS = frozenset(
-    ENGINE_LABELS + (ROLE_LABEL, "direction", "transport", "preset", "reason", "result", "outcome")
+    ENGINE_LABELS
+    + (ROLE_LABEL, "direction", "transport", "preset", "reason", "result", "outcome", "route",
+       "operation")
 )
 
 _NAME_RE = re.compile(r"^turbowire_[a-z][a-z0-9_]*[a-z0-9]$")
 _UNIT_SUFFIXES = ("_seconds", "_bytes")
 _FORBIDDEN_UNITS = ("_ms", "_milliseconds", "_us", "_microseconds", "_kb", "_mb", "_gb",
                     "_kib", "_mib", "_gib", "_minutes", "_hours", "_percent")  # fmt: skip
-_UNITLESS_OK = ("_outstanding", "_requests", "_lookups", "_transfers", "_positions",
+_UNITLESS_OK = ("_outstanding", "_requests", "_lookups", "_transfers", "_positions", "_routes",
                 "_observations", "_failures", "_fallbacks")  # fmt: skip
 
 

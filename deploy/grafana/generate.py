@@ -305,6 +305,38 @@ def sections() -> list[Section]:
                 ),
             ),
             PanelSpec(
+                "Store failures",
+                "Store operations that failed per second, by operation and reason (a failed "
+                "lookup or load is recomputed, a failed save dropped; clients never see them).",
+                "ops",
+                (
+                    Query(
+                        "sum by (operation, reason) "
+                        f"(rate(turbowire_store_failures_total{{{SEL}}}[{RI}]))",
+                        "{{operation}} {{reason}}",
+                    ),
+                ),
+                stacked=True,
+            ),
+            PanelSpec(
+                "Store save and load latency (p50)",
+                "Median time to encode and write one chunk to every tier (save), and to read, "
+                "verify and decode one request's stored chunks (load).",
+                "s",
+                (
+                    Query(
+                        "histogram_quantile(0.5, sum by (le) (rate("
+                        f"turbowire_store_save_duration_seconds_bucket{{{SEL}}}[{RI}])))",
+                        "save",
+                    ),
+                    Query(
+                        "histogram_quantile(0.5, sum by (le) (rate("
+                        f"turbowire_store_load_duration_seconds_bucket{{{SEL}}}[{RI}])))",
+                        "load",
+                    ),
+                ),
+            ),
+            PanelSpec(
                 "Speculative positions",
                 "Decode-side speculative KV positions per second: accepted (kept) vs discarded.",
                 "ops",
@@ -389,6 +421,30 @@ def sections() -> list[Section]:
                     ),
                 ),
                 stacked=True,
+            ),
+            PanelSpec(
+                "Proxy routes",
+                "Requests per second by route: pd (prefill then decode), store_hit (every full "
+                "chunk of the prompt stored: straight to a decode engine, no prefill), and the "
+                "P/D fallbacks when the directory could not answer.",
+                "reqps",
+                (
+                    Query("sum by (route) (rate(turbowire_proxy_routes_total[" + RI + "]))",
+                          "{{route}}"),
+                ),
+                stacked=True,
+            ),
+            PanelSpec(
+                "Directory lookup latency (proxy)",
+                "p90 of the proxy's store directory lookup per request.",
+                "s",
+                (
+                    Query(
+                        "histogram_quantile(0.9, sum by (le) (rate("
+                        f"turbowire_proxy_directory_lookup_duration_seconds_bucket[{RI}])))",
+                        "p90",
+                    ),
+                ),
             ),
             PanelSpec(
                 "Requests in flight (proxy)",

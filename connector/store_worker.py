@@ -1,0 +1,320 @@
+"""Worker side of the store path: encode computed chunks into the store, load stored ones.
+
+Save: after the forward pass (``wait_for_save``) each planned chunk is encoded once, every layer
+with the same kernels and wire format as the NIXL path, into one blob (``turbowire.store.blob``);
+the write to LMCache's tiers runs in the background, and only a write that finished is published
+in the directory, so a directory hit means the bytes were there.
+
+Load: the chunks of a request are fetched a few at a time and decoded in order, each as soon as
+it has arrived and passed every check (blob header: prefix hash, tokens, rank, layer sizes; each
+layer chunk's checksums, preset, geometry and tag). The first chunk that is missing or fails a
+check ends the load: its blocks and everything after them are reported to vLLM as load errors
+(``get_block_ids_with_load_errors``), so vLLM recomputes from there; nothing of it is decoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.geometry import KVGeometry, blocks_for_tokens
+from turbowire.connector.metadata import LoadReport, StoreChunk, StoreLoad, StoreSave
+from turbowire.connector.spec import STORE_TRANSPORT
+from turbowire.connector.stats import TurboWireConnectorStats
+from turbowire.errors import TurboWireError, failure_reason
+from turbowire.store.blob import BlobHeader, check_expected, parse_header
+from turbowire.store.keys import StoreScope, chunk_tag
+
+if TYPE_CHECKING:
+    from turbowire.codec import Codec
+    from turbowire.connector.caches import EngineCaches
+    from turbowire.store.directory import Directory
+    from turbowire.store.tiers import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+FETCHES_IN_FLIGHT = 4  # chunk reads of one load on the way while the one that arrived decodes
+
+
+class StoreMiss(TurboWireError):
+    """A chunk the directory listed is not in the store (evicted, expired, Redis down)."""
+
+    reason = "store_miss"
+
+
+class StoreWorker:
+    """One worker's (TP rank's) store path."""
+
+    def __init__(
+        self,
+        config: TurboWireConfig,
+        geometry: KVGeometry,
+        codec: Codec,
+        scope: StoreScope,
+        tp_rank: int,
+        caches: EngineCaches,
+        stats: TurboWireConnectorStats,
+        store: ChunkStore | None = None,
+        directory: Directory | None = None,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.codec = codec
+        self.scope = scope
+        self.rank = tp_rank
+        self.caches = caches
+        self.stats = stats
+        if store is None:
+            from turbowire.store.tiers import ChunkStore, StoreSettings
+
+            store = ChunkStore(StoreSettings(
+                store_url=config.store_url,
+                local_cpu_bytes=config.store_local_cpu_bytes,
+                local_disk=config.store_local_disk,
+                ttl_seconds=config.store_ttl_seconds,
+                namespace=config.store_namespace,
+            ))
+        self.store = store
+        if directory is None and config.directory_url:
+            from turbowire.store.directory import Directory
+
+            directory = Directory(config.directory_url, ttl_seconds=config.store_ttl_seconds)
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._reports: dict[str, LoadReport] = {}
+        self._stored: dict[str, int] = {}
+        self._loads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tw-store-load")
+        self._fetches = ThreadPoolExecutor(max_workers=FETCHES_IN_FLIGHT,
+                                           thread_name_prefix="tw-store-fetch")
+        self._layer_sizes: dict[int, list[int]] = {}
+
+    # ------------------------------------------------------------------ geometry
+    def layer_nbytes(self, token_start: int) -> list[int]:
+        """Exact bytes of each layer's codec chunk of a stored chunk starting at token_start
+        (the first chunk of a sequence carries the sink rows, so it is larger)."""
+        key = 0 if token_start == 0 else 1
+        sizes = self._layer_sizes.get(key)
+        if sizes is None:
+            sizes = [
+                int(self.codec.encoded_nbytes(layer, self.scope.chunk_tokens, spec.num_kv_heads,
+                                              token_start))
+                for layer, spec in enumerate(self.geometry.layers)
+            ]
+            self._layer_sizes[key] = sizes
+        return sizes
+
+    def _header(self, chunk: StoreChunk) -> BlobHeader:
+        return BlobHeader(
+            num_layers=self.geometry.num_layers, rank=self.rank, tp_size=self.scope.tp_size,
+            token_start=chunk.token_start, num_tokens=self.scope.chunk_tokens,
+            chunk_hash=chunk.chunk_hash, layer_nbytes=tuple(self.layer_nbytes(chunk.token_start)),
+        )
+
+    # ------------------------------------------------------------------ save
+    def save(self, saves: list[StoreSave]) -> None:
+        """Encode the planned chunks now (after the forward pass); store them in the background."""
+        from turbowire.kernels import EncodeItem, encode_layers_into
+
+        for save in saves:
+            for chunk in save.chunks:
+                t0 = time.perf_counter()
+                header = self._header(chunk)
+                device = self.caches.device
+                blob = torch.empty(header.total_nbytes, dtype=torch.uint8, device=device)
+                blob[: header.nbytes] = torch.frombuffer(bytearray(header.pack()),
+                                                         dtype=torch.uint8).to(device)
+                tag = chunk_tag(chunk.chunk_hash)
+                jobs = [
+                    (layer, self.caches.tensors[layer], self.caches.layouts[layer],
+                     [EncodeItem(save.block_ids, chunk.token_start, self.scope.chunk_tokens,
+                                 offset, tag)])
+                    for layer, offset in enumerate(header.layer_offsets())
+                ]
+                try:
+                    written = encode_layers_into(
+                        self.codec, jobs, blob,
+                        kv_scales=[self.caches.kv_scales(job[0]) for job in jobs],
+                    )
+                except TurboWireError as exc:
+                    logger.warning("request %s: chunk at token %d not stored: %s",
+                                   save.request_id, chunk.token_start, exc)
+                    self.stats.record_store_failure("save", failure_reason(exc))
+                    continue
+                if [w[0] for w in written] != list(header.layer_nbytes):
+                    raise RuntimeError("codec wrote other sizes than encoded_nbytes promised")
+                data = bytes(blob.cpu().numpy()) if device.type != "cpu" else bytes(blob.numpy())
+                encode_s = time.perf_counter() - t0
+                self._put(chunk, data, t0, encode_s)
+
+    def _put(self, chunk: StoreChunk, data: bytes, t0: float, encode_s: float) -> None:
+        nbytes = len(data)
+
+        def done(ok: bool, reason: str | None) -> None:
+            if not ok:
+                self.stats.record_store_failure("save", reason or "store_unavailable")
+                return
+            self.stats.record_stored(nbytes)
+            self.stats.observe("store_save_seconds", time.perf_counter() - t0,
+                               transport=STORE_TRANSPORT, preset=self.config.preset)
+            with self._lock:
+                key = chunk.chunk_hash.hex()
+                self._stored[key] = self._stored.get(key, 0) + 1
+            if self.directory is not None:
+                try:
+                    self.directory.publish(self.scope, [(chunk.chunk_hash, self.rank, nbytes)])
+                except TurboWireError as exc:
+                    self.stats.record_store_failure("save", failure_reason(exc))
+
+        if not self.store.put(self.scope, chunk.chunk_hash, self.rank, data, on_done=done):
+            self.stats.record_store_failure("save", "store_full")
+        self.stats.observe("encode_seconds", encode_s, transport=STORE_TRANSPORT,
+                           preset=self.config.preset)
+
+    # ------------------------------------------------------------------ load
+    def start_loads(self, loads: list[StoreLoad]) -> None:
+        for load in loads:
+            self._loads.submit(self._run_load, load)
+
+    def _fetch(self, chunk: StoreChunk) -> bytes | None:
+        return self.store.get(self.scope, chunk.chunk_hash, self.rank)
+
+    def _run_load(self, load: StoreLoad) -> None:
+        t0 = time.perf_counter()
+        report = LoadReport(source="store")
+        per_token = self.caches.dense_bytes_per_token()
+        pending: list[Future] = [self._fetches.submit(self._fetch, c)
+                                 for c in load.chunks[:FETCHES_IN_FLIGHT]]
+        next_fetch = len(pending)
+        failed_at: int | None = None
+        try:
+            for i, chunk in enumerate(load.chunks):
+                blob = pending[i].result()
+                if next_fetch < len(load.chunks):
+                    pending.append(self._fetches.submit(self._fetch, load.chunks[next_fetch]))
+                    next_fetch += 1
+                try:
+                    if blob is None:
+                        raise StoreMiss(f"chunk at token {chunk.token_start} is not in the store")
+                    d0 = time.perf_counter()
+                    written = self._decode_chunk(load, chunk, blob)
+                    report.decode_seconds += time.perf_counter() - d0
+                except TurboWireError as exc:
+                    failed_at = i
+                    reason = failure_reason(exc)
+                    report.failed = reason
+                    logger.warning("request %s: stored chunk at token %d unusable (%s: %s); "
+                                   "recomputing from there", load.request_id, chunk.token_start,
+                                   reason, exc)
+                    self.stats.record_store(False, 0)
+                    self.stats.record_store_failure("load", reason)
+                    self._forget(load.chunks[i:])
+                    break
+                self.stats.record_store(True, len(blob))
+                report.tokens += written
+                report.wire_bytes += len(blob)
+                report.dense_bytes += written * per_token
+        except Exception:  # noqa: BLE001 - a bug must become a recompute, not a hung request
+            logger.exception("request %s: store load failed", load.request_id)
+            failed_at = failed_at if failed_at is not None else 0
+            report.failed = report.failed or "internal"
+        finally:
+            for future in pending:
+                future.cancel()
+        if self.caches.device.type == "cuda":
+            torch.cuda.current_stream(self.caches.device).synchronize()
+        report.transfer_seconds = time.perf_counter() - t0
+        if failed_at is None:
+            self.stats.record_recv(STORE_TRANSPORT, self.config.preset, report.dense_bytes,
+                                   report.wire_bytes)
+            self.stats.observe("store_load_seconds", report.transfer_seconds,
+                               transport=STORE_TRANSPORT, preset=self.config.preset)
+            self.stats.observe("decode_seconds", report.decode_seconds,
+                               transport=STORE_TRANSPORT, preset=self.config.preset)
+        with self._lock:
+            if failed_at is not None:
+                bad_from = max(load.first_token, load.chunks[failed_at].token_start)
+                end = load.chunks[-1].token_start + self.scope.chunk_tokens
+                first_block = bad_from // self.geometry.block_size
+                last_block = blocks_for_tokens(end, self.geometry.block_size)
+                self._invalid_blocks.update(load.block_ids[first_block:last_block])
+            self._reports[load.request_id] = report
+            self._finished.add(load.request_id)
+
+    def _decode_chunk(self, load: StoreLoad, chunk: StoreChunk, blob: bytes) -> int:
+        """Check and decode one stored chunk; the tokens written (all but those vLLM holds)."""
+        from turbowire.codec.wire import parse_header as parse_chunk_header
+        from turbowire.codec.wire import verify_body
+        from turbowire.kernels import DecodeItem, decode_layers_into, decode_tail_into
+
+        header = parse_header(blob)
+        check_expected(header, chunk_hash=chunk.chunk_hash, token_start=chunk.token_start,
+                       num_tokens=self.scope.chunk_tokens, rank=self.rank,
+                       tp_size=self.scope.tp_size,
+                       layer_nbytes=self.layer_nbytes(chunk.token_start))
+        source = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        tag = chunk_tag(chunk.chunk_hash)
+        offsets = header.layer_offsets()
+        for layer, (off, size) in enumerate(zip(offsets, header.layer_nbytes, strict=True)):
+            data = source[off: off + size]  # every layer verified before any is written
+            chunk_header = parse_chunk_header(data)
+            self.codec.check_compatible(chunk_header, layer, tag, self.scope.chunk_tokens,
+                                        chunk.token_start)
+            verify_body(chunk_header, data)
+        if self.caches.device.type != "cpu":
+            source = source.to(self.caches.device)
+        items = [
+            DecodeItem(load.block_ids, chunk.token_start, self.scope.chunk_tokens, off, size, tag)
+            for off, size in zip(offsets, header.layer_nbytes, strict=True)
+        ]
+        skip = load.first_token - chunk.token_start
+        if skip > 0:  # starts inside vLLM's own prefix cache: write only the tail
+            for layer, item in enumerate(items):
+                decode_tail_into(self.codec, layer, self.caches.tensors[layer],
+                                 self.caches.layouts[layer], item, source, skip,
+                                 kv_scales=self.caches.kv_scales(layer))
+            return self.scope.chunk_tokens - skip
+        jobs = [(layer, self.caches.tensors[layer], self.caches.layouts[layer], [item])
+                for layer, item in enumerate(items)]
+        decode_layers_into(self.codec, jobs, source,
+                           kv_scales=[self.caches.kv_scales(layer) for layer in range(len(jobs))])
+        return self.scope.chunk_tokens
+
+    def _forget(self, chunks: list[StoreChunk]) -> None:
+        if self.directory is None:
+            return
+        try:
+            self.directory.forget(self.scope, [c.chunk_hash for c in chunks[:1]])
+        except TurboWireError:
+            pass  # the directory is down: its entries expire
+
+    # ------------------------------------------------------------------ results
+    def results(self) -> set[str]:
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    def take_invalid_blocks(self) -> set[int]:
+        with self._lock:
+            blocks, self._invalid_blocks = self._invalid_blocks, set()
+        return blocks
+
+    def take_reports(self) -> tuple[dict[str, LoadReport], dict[str, int]]:
+        with self._lock:
+            reports, self._reports = self._reports, {}
+            stored, self._stored = self._stored, {}
+        return reports, stored
+
+    def close(self) -> None:
+        self._loads.shutdown(wait=False, cancel_futures=True)
+        self._fetches.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+        if self.directory is not None:
+            self.directory.close()

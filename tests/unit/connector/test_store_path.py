@@ -1,0 +1,394 @@
+"""The store path's logic with an in-memory blob store and a fake directory (the real LMCache
+tiers and Redis are tested in tests/integration/test_store_*.py and the e2e suite):
+lookups and their counts, which chunks are saved when, the load plan vLLM's allocation gets,
+and the worker's save -> load round trip into real paged CPU caches (bit-exact with ``raw``),
+a tail-only load after a non-chunk-aligned prefix hit, and misses/corruption reported as load
+errors from the first bad chunk on, nothing of it decoded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from turbowire.codec import Codec
+from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.geometry import KVGeometry, LayerSpec
+from turbowire.connector.metadata import StoreChunk, StoreLoad, StoreSave
+from turbowire.connector.stats import TurboWireConnectorStats, iter_counters
+from turbowire.connector.store_scheduler import StorePlanner
+from turbowire.connector.store_worker import StoreWorker
+from turbowire.kernels import PagedKVLayout
+from turbowire.store.directory import DirectoryUnavailable
+from turbowire.store.keys import StoreScope, chunk_hashes
+
+BS, CHUNK, LAYERS, HEADS, DIM, NUM_BLOCKS = 16, 64, 3, 2, 64, 64
+
+
+def counters(stats: TurboWireConnectorStats) -> dict[tuple, float]:
+    return {(n, tuple(sorted(lbl.items()))): v for n, lbl, v in iter_counters(stats.data)}
+
+
+def count(stats, name: str, **labels) -> float:
+    return sum(v for (n, lbl), v in counters(stats).items()
+               if n == name and all((k, labels[k]) in lbl for k in labels))
+
+
+def make_scope(preset: str = "raw") -> StoreScope:
+    return StoreScope("test", "tiny", preset, 1, CHUNK, 1)
+
+
+def make_config(**kw) -> TurboWireConfig:
+    base = dict(transport="store", store_local_cpu_bytes=1 << 20, store_chunk_tokens=CHUNK)
+    return TurboWireConfig(**{**base, **kw})
+
+
+def fake_request(req_id: str, tokens: list[int], computed: int = 0, params=None):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens,
+                           num_prompt_tokens=len(tokens), num_computed_tokens=computed,
+                           kv_transfer_params=params)
+
+
+@dataclass
+class FakeDirectory:
+    stored: dict[bytes, int] = field(default_factory=dict)
+    down: bool = False
+    lookups: int = 0
+    forgotten: list[bytes] = field(default_factory=list)
+
+    def longest_prefix(self, scope, hashes) -> int:
+        self.lookups += 1
+        if self.down:
+            raise DirectoryUnavailable("redis is down")
+        n = 0
+        while n < len(hashes) and hashes[n] in self.stored:
+            n += 1
+        return n
+
+    def publish(self, scope, entries) -> None:
+        if self.down:
+            raise DirectoryUnavailable("redis is down")
+        for h, _rank, nbytes in entries:
+            self.stored[h] = nbytes
+
+    def forget(self, scope, hashes) -> None:
+        self.forgotten.extend(hashes)
+        for h in hashes:
+            self.stored.pop(h, None)
+
+    def register_engine(self, entry, ttl_seconds) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def planner(directory=None, **kw) -> tuple[StorePlanner, TurboWireConnectorStats]:
+    stats = TurboWireConnectorStats()
+    blocks = {"r": list(range(100, 100 + NUM_BLOCKS))}
+    p = StorePlanner(make_config(**kw), make_scope(), BS, "engine-a", stats,
+                     lambda rid: blocks.get(rid, list(range(NUM_BLOCKS))),
+                     directory=directory or FakeDirectory())
+    return p, stats
+
+
+def alloc(block_ids):
+    return SimpleNamespace(blocks=[[SimpleNamespace(block_id=b) for b in block_ids]])
+
+
+# ---------------------------------------------------------------------------- scheduler side
+def test_lookup_counts_only_full_stored_leading_chunks():
+    tokens = list(range(5, 5 + 3 * CHUNK + 10))
+    directory = FakeDirectory()
+    h = chunk_hashes(tokens, CHUNK)
+    directory.stored = {h[0]: 1, h[1]: 1}  # chunk 2 missing
+    p, stats = planner(directory)
+    req = fake_request("r", tokens)
+    assert p.lookup(req, 0) == 2 * CHUNK
+    assert p.lookup(req, 0) == 2 * CHUNK and directory.lookups == 1, "cached per request"
+    assert p.lookup(req, 2 * BS) == 2 * CHUNK - 2 * BS  # vLLM's prefix cache had 2 blocks
+    assert count(stats, "store_lookups", result="miss") == 1  # chunk 2 (the tail is no chunk)
+
+
+def test_lookup_with_directory_down_is_a_counted_miss():
+    directory = FakeDirectory(down=True)
+    p, stats = planner(directory)
+    assert p.lookup(fake_request("r", list(range(2 * CHUNK))), 0) == 0
+    assert count(stats, "store_failures", operation="lookup", reason="store_unavailable") == 1
+
+
+def test_local_index_answers_without_a_directory():
+    p = StorePlanner(make_config(), make_scope(), BS, "e", TurboWireConnectorStats(),
+                     lambda rid: list(range(NUM_BLOCKS)), directory=None)
+    tokens = list(range(2 * CHUNK))
+    p.note_stored({chunk_hashes(tokens, CHUNK)[0].hex(): 1})
+    assert p.lookup(fake_request("r", tokens), 0) == CHUNK
+
+
+def test_after_alloc_plans_chunks_from_the_local_prefix():
+    tokens = list(range(3 * CHUNK))
+    directory = FakeDirectory()
+    directory.stored = dict.fromkeys(chunk_hashes(tokens, CHUNK), 1)
+    p, _ = planner(directory)
+    req = fake_request("r", tokens)
+    local = 5 * BS  # 80 tokens: inside chunk 1
+    n = p.lookup(req, local)
+    assert n == 3 * CHUNK - local
+    p.after_alloc(req, alloc(range(10, 10 + 3 * CHUNK // BS)), n)
+    (load,) = p.take_loads()
+    assert load.first_token == local
+    assert [c.token_start for c in load.chunks] == [CHUNK, 2 * CHUNK]
+    assert load.block_ids[0] == 10 and p.is_store_load("r")
+
+
+def test_after_alloc_refuses_a_plan_that_does_not_fit():
+    tokens = list(range(2 * CHUNK))
+    directory = FakeDirectory()
+    directory.stored = dict.fromkeys(chunk_hashes(tokens, CHUNK), 1)
+    p, _ = planner(directory)
+    req = fake_request("r", tokens)
+    n = p.lookup(req, 0)
+    p.after_alloc(req, alloc(range(3)), n)  # too few blocks
+    assert p.take_loads() == []
+    p.after_alloc(req, alloc(range(2 * CHUNK // BS)), n + 1)  # more than stored
+    assert p.take_loads() == []
+
+
+def test_saves_follow_computation_skip_stored_and_dedupe():
+    tokens = list(range(3 * CHUNK + 5))
+    h = chunk_hashes(tokens, CHUNK)
+    directory = FakeDirectory()
+    directory.stored = {h[0]: 1}
+    p, _ = planner(directory)
+    req = fake_request("r", tokens)
+    p.lookup(req, 0)
+    req.num_computed_tokens = CHUNK  # chunk 0 loaded
+    assert p.plan_saves({"r": CHUNK // 2}) == []  # chunk 1 not complete yet
+    req.num_computed_tokens = CHUNK + CHUNK // 2
+    (save,) = p.plan_saves({"r": CHUNK})  # computes up to 2.5 chunks: chunk 1 completes
+    assert [c.token_start for c in save.chunks] == [CHUNK]
+    assert save.chunks[0].chunk_hash == h[1]
+    assert save.block_ids == list(range(100, 100 + 2 * CHUNK // BS))
+    # another request with the same prefix does not encode chunk 1 again
+    other = fake_request("o", tokens)
+    p.lookup(other, 0)
+    other.num_computed_tokens = 0
+    saves = p.plan_saves({"o": 3 * CHUNK + 5})
+    assert [c.token_start for s in saves for c in s.chunks] == [2 * CHUNK]
+
+
+def test_opt_out_and_malformed_opt_out():
+    tokens = list(range(2 * CHUNK))
+    p, stats = planner()
+    for rid, params in (("a", {"turbowire_store": False}), ("b", {"turbowire_store": "no"})):
+        req = fake_request(rid, tokens, params=params)
+        p.lookup(req, 0)
+        assert p.plan_saves({rid: 2 * CHUNK}) == []
+    assert count(stats, "failures", reason="bad_params") == 1
+
+
+def test_failed_load_saves_again_from_the_bad_chunk():
+    tokens = list(range(3 * CHUNK))
+    directory = FakeDirectory()
+    directory.stored = dict.fromkeys(chunk_hashes(tokens, CHUNK), 1)
+    p, _ = planner(directory)
+    req = fake_request("r", tokens)
+    p.lookup(req, 0)
+    p.load_failed("r", CHUNK)  # chunk 1 was bad: vLLM recomputes from token 256
+    req.num_computed_tokens = CHUNK
+    (save,) = p.plan_saves({"r": 2 * CHUNK})
+    assert [c.token_start for c in save.chunks] == [CHUNK, 2 * CHUNK]
+
+
+# ---------------------------------------------------------------------------- worker side
+class MemoryStore:
+    """ChunkStore's interface over a dict (puts complete at once, on this thread)."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[tuple[bytes, int], bytes] = {}
+        self.lock = threading.Lock()
+
+    def put(self, scope, chunk_hash, rank, blob, on_done=None) -> bool:
+        with self.lock:
+            self.blobs[(chunk_hash, rank)] = bytes(blob)
+        if on_done is not None:
+            on_done(True, None)
+        return True
+
+    def get(self, scope, chunk_hash, rank):
+        with self.lock:
+            return self.blobs.get((chunk_hash, rank))
+
+    def contains_local(self, scope, chunk_hash, rank) -> bool:
+        return (chunk_hash, rank) in self.blobs
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Caches:
+    """The part of EngineCaches the store worker uses: CPU paged caches (LBHNC, K|V packed)."""
+
+    tensors: list[torch.Tensor]
+    layouts: list[PagedKVLayout]
+    device: torch.device = torch.device("cpu")
+
+    def dense_bytes_per_token(self) -> int:
+        return LAYERS * 2 * HEADS * DIM * 2
+
+    def kv_scales(self, layer: int):
+        return None
+
+
+def make_caches(seed: int | None) -> Caches:
+    g = torch.Generator().manual_seed(seed or 0)
+    tensors = []
+    for _ in range(LAYERS):
+        t = torch.randn(NUM_BLOCKS, HEADS, BS, 2 * DIM, generator=g).to(torch.bfloat16)
+        tensors.append(t if seed is not None else torch.zeros_like(t))
+    return Caches(tensors, [PagedKVLayout.from_cache(t, head_dim=DIM) for t in tensors])
+
+
+def worker(preset: str, caches: Caches, store: MemoryStore, directory=None):
+    geometry = KVGeometry(tuple(LayerSpec(f"l.{i}", HEADS, DIM) for i in range(LAYERS)), BS,
+                          "bfloat16")
+    stats = TurboWireConnectorStats()
+    w = StoreWorker(make_config(preset=preset), geometry, Codec(preset, DIM, LAYERS),
+                    make_scope(preset), 0, caches, stats, store=store,
+                    directory=directory or FakeDirectory())
+    return w, stats
+
+
+def wait_finished(w: StoreWorker, req_id: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while req_id not in w.results():
+        assert time.monotonic() < deadline, "store load did not finish"
+        time.sleep(0.01)
+
+
+def tokens_of(caches: Caches, block_ids, start: int, n: int):
+    out = []
+    for layer in range(LAYERS):
+        k, v = caches.layouts[layer].gather(caches.tensors[layer], block_ids, start, n)
+        out.append((k, v))
+    return out
+
+
+def saved_chunks(preset: str, n_chunks: int):
+    src = make_caches(seed=1)
+    store, directory = MemoryStore(), FakeDirectory()
+    w, stats = worker(preset, src, store, directory)
+    src_blocks = list(range(0, n_chunks * CHUNK // BS))
+    hashes = chunk_hashes(list(range(n_chunks * CHUNK)), CHUNK)
+    chunks = [StoreChunk(i * CHUNK, h) for i, h in enumerate(hashes)]
+    w.save([StoreSave("p", src_blocks, chunks)])
+    assert len(store.blobs) == n_chunks and len(directory.stored) == n_chunks
+    assert count(stats, "stored_bytes") == sum(len(b) for b in store.blobs.values())
+    reports, stored = w.take_reports()
+    assert stored == {h.hex(): 1 for h in hashes}
+    return src, src_blocks, store, chunks
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4"])
+def test_save_then_load_into_other_blocks(preset):
+    src, src_blocks, store, chunks = saved_chunks(preset, 3)
+    dst = make_caches(seed=None)
+    dst_blocks = list(range(20, 20 + 3 * CHUNK // BS))
+    w, stats = worker(preset, dst, store)
+    w.start_loads([StoreLoad("d", dst_blocks, 0, chunks)])
+    wait_finished(w, "d")
+    assert w.take_invalid_blocks() == set()
+    reports, _ = w.take_reports()
+    assert reports["d"].tokens == 3 * CHUNK and reports["d"].failed is None
+    assert reports["d"].source == "store"
+    codec = Codec(preset, DIM, LAYERS)
+    for layer, ((ks, vs), (kd, vd)) in enumerate(zip(
+            tokens_of(src, src_blocks, 0, 3 * CHUNK), tokens_of(dst, dst_blocks, 0, 3 * CHUNK))):
+        if preset == "raw":
+            assert torch.equal(ks, kd) and torch.equal(vs, vd)
+        else:  # equal to the reference codec's decode of the same tokens
+            for c in range(3):
+                sl = slice(c * CHUNK, (c + 1) * CHUNK)
+                enc = codec.encode(layer, ks[sl], vs[sl], token_offset=c * CHUNK)
+                kr, vr = codec.decode(layer, enc)
+                assert torch.equal(kr.to(torch.bfloat16), kd[sl])
+                assert torch.equal(vr.to(torch.bfloat16), vd[sl])
+    assert count(stats, "store_lookups", result="hit") == 3
+
+
+def test_load_after_a_prefix_hit_writes_only_the_tail():
+    src, src_blocks, store, chunks = saved_chunks("raw", 2)
+    dst = make_caches(seed=7)  # "stale" values everywhere
+    before = [t.clone() for t in dst.tensors]
+    dst_blocks = list(range(30, 30 + 2 * CHUNK // BS))
+    first = 3 * BS  # vLLM holds blocks 0..2 of the request
+    w, _ = worker("raw", dst, store)
+    w.start_loads([StoreLoad("d", dst_blocks, first, chunks)])
+    wait_finished(w, "d")
+    reports, _ = w.take_reports()
+    assert reports["d"].tokens == 2 * CHUNK - first
+    for layer in range(LAYERS):
+        held = dst_blocks[:3]
+        assert torch.equal(dst.tensors[layer][held], before[layer][held]), "cached blocks kept"
+    for (ks, vs), (kd, vd) in zip(tokens_of(src, src_blocks, first, 2 * CHUNK - first),
+                                  tokens_of(dst, dst_blocks, first, 2 * CHUNK - first)):
+        assert torch.equal(ks, kd) and torch.equal(vs, vd)
+
+
+@pytest.mark.parametrize("damage", ["missing", "flip", "truncate", "other_chunk"])
+def test_bad_chunk_reports_load_errors_from_there_and_is_not_decoded(damage):
+    src, src_blocks, store, chunks = saved_chunks("raw", 3)
+    bad = chunks[1]
+    key = (bad.chunk_hash, 0)
+    if damage == "missing":
+        del store.blobs[key]
+    elif damage == "flip":
+        blob = bytearray(store.blobs[key])
+        blob[len(blob) // 2] ^= 1
+        store.blobs[key] = bytes(blob)
+    elif damage == "truncate":
+        store.blobs[key] = store.blobs[key][:-16]
+    else:
+        store.blobs[key] = store.blobs[(chunks[2].chunk_hash, 0)]
+    dst = make_caches(seed=None)
+    dst_blocks = list(range(10, 10 + 3 * CHUNK // BS))
+    directory = FakeDirectory()
+    w, stats = worker("raw", dst, store, directory)
+    w.start_loads([StoreLoad("d", dst_blocks, 0, chunks)])
+    wait_finished(w, "d")
+    per_chunk = CHUNK // BS
+    assert w.take_invalid_blocks() == set(dst_blocks[per_chunk:])
+    reports, _ = w.take_reports()
+    assert reports["d"].tokens == CHUNK and reports["d"].failed is not None
+    for layer in range(LAYERS):
+        assert not dst.tensors[layer][dst_blocks[per_chunk:]].any(), "bad chunk not decoded"
+        assert dst.tensors[layer][dst_blocks[:per_chunk]].any()
+    assert directory.forgotten == [bad.chunk_hash]
+    assert count(stats, "store_failures", operation="load") == 1
+    assert count(stats, "store_lookups", result="miss") == 1
+
+
+def test_a_failed_load_is_not_offered_again():
+    """vLLM asks again after a failed load (num_computed rolled back): the store must not offer
+    the bad chunks again, or the request would loop load -> fail -> load."""
+    tokens = list(range(2 * CHUNK + 3))
+    directory = FakeDirectory()
+    directory.stored = dict.fromkeys(chunk_hashes(tokens, CHUNK), 1)
+    p, _ = planner(directory)
+    req = fake_request("r", tokens)
+    n = p.lookup(req, 0)
+    p.after_alloc(req, alloc(range(2 * CHUNK // BS + 1)), n)
+    p.load_failed("r", 0)  # the first chunk was bad
+    assert p.lookup(req, 0) == 0
+    req2 = fake_request("s", tokens)
+    n = p.lookup(req2, 0)
+    p.after_alloc(req2, alloc(range(2 * CHUNK // BS + 1)), n)
+    p.load_failed("s", CHUNK)  # the second was bad: the first may still be loaded
+    assert p.lookup(req2, 0) == CHUNK
+    p.after_alloc(req2, alloc(range(2 * CHUNK // BS + 1)), CHUNK)
+    assert p.lookup(req2, 0) == 0, "no third load"
