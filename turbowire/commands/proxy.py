@@ -17,6 +17,24 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option("127.0.0.1", help="Address to listen on."),
         port: int = typer.Option(8000, help="Port to listen on."),
         timeout: float = typer.Option(600.0, help="Seconds to wait for an engine answer."),
+        directory: str | None = typer.Option(
+            None,
+            "--directory",
+            help="Store directory (redis://HOST:PORT, redis://HOST:PORT/DB, rediss://...) of "
+            "engines running the store transport: requests whose whole prompt prefix is stored "
+            "skip prefill and go to the decode engine alone. Unset: plain P/D.",
+        ),
+        store_namespace: str = typer.Option(
+            "turbowire",
+            "--store-namespace",
+            help="Store namespace the engines register in (their store_namespace setting).",
+        ),
+        store_ttl_seconds: float = typer.Option(
+            3600.0,
+            "--store-ttl-seconds",
+            help="The engines' store_ttl_seconds: a lookup that hits refreshes the directory "
+            "entries to this lifetime, as an engine's lookup does.",
+        ),
     ) -> None:
         """Serve /v1/completions and /v1/chat/completions (streaming or not), /health, /metrics.
 
@@ -24,18 +42,30 @@ def register(app: typer.Typer) -> None:
         do_remote_decode) and finished on a decode engine with the returned params, which keep
         vLLM NixlConnector's field names (vLLM's toy proxy and other routers work too).
 
+        With --directory, the proxy tokenizes each prompt on the chosen decode engine (its
+        /tokenize), asks the store directory how many of the prompt's chunks are stored, and
+        when all are, sends the request to the decode engine only (it loads the KV from the
+        store). Anything wrong on that path (Redis down, tokenizer error) falls back to P/D. The
+        decision is in the X-TurboWire-Route header, /turbowire/requests/{id} and
+        turbowire_proxy_routes_total.
+
         Examples:
 
           turbowire proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
           turbowire proxy -p http://10.0.0.1:8100 -p http://10.0.0.2:8100 -d http://10.0.0.3:8200 --host 0.0.0.0
+
+          turbowire proxy -p http://127.0.0.1:8100 -d http://127.0.0.1:8200 --directory redis://127.0.0.1:6379
         """  # noqa: E501
         import uvicorn
 
         from turbowire.serving.proxy import ProxyConfigError, build_app
 
         try:
-            application = build_app(prefill, decode, timeout)
+            application = build_app(
+                prefill, decode, timeout, directory_url=directory,
+                store_namespace=store_namespace, directory_ttl_seconds=store_ttl_seconds,
+            )
         except ProxyConfigError as exc:
             raise typer.BadParameter(str(exc)) from exc
         uvicorn.run(application, host=host, port=port, log_level="warning", access_log=False)

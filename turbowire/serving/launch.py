@@ -277,20 +277,23 @@ def start_engine(spec: EngineSpec, log_dir: Path) -> ManagedProcess:
     )
 
 
-def proxy_command(prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int) -> list[str]:
-    """``turbowire proxy`` on 127.0.0.1:``port`` in front of these engines."""
+def proxy_command(prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int,
+                  extra_args: Sequence[str] = ()) -> list[str]:
+    """``turbowire proxy`` on 127.0.0.1:``port`` in front of these engines (``extra_args``: e.g.
+    ``--directory redis://...`` for cache-aware routing)."""
     cmd = [sys.executable, "-m", "turbowire.cli", "proxy", "--port", str(port)]
     for url in prefill_urls:
         cmd += ["--prefill", url]
     for url in decode_urls:
         cmd += ["--decode", url]
-    return cmd
+    return cmd + list(extra_args)
 
 
 def start_proxy(
-    prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int, log_dir: Path
+    prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int, log_dir: Path,
+    extra_args: Sequence[str] = (),
 ) -> ManagedProcess:
-    cmd = proxy_command(prefill_urls, decode_urls, port)
+    cmd = proxy_command(prefill_urls, decode_urls, port, extra_args)
     return spawn("proxy", cmd, dict(os.environ), log_dir, f"http://127.0.0.1:{port}")
 
 

@@ -7,6 +7,18 @@ decode engine's answer. Engines are picked round-robin; the request id travels a
 ``X-Request-Id`` to both. The field names are vLLM NixlConnector's, so this proxy also drives
 NixlConnector engines and other routers drive turbowire engines.
 
+Cache-aware routing (``--directory redis://...``): engines with the store transport save the KV
+chunks of every prompt they compute and list them in a Redis directory
+(:mod:`turbowire.store.directory`). With a directory, the proxy first asks the chosen decode
+engine's own tokenizer (``POST /tokenize``) for the prompt's token ids, names its full chunks
+(:func:`turbowire.store.keys.chunk_hashes`) and asks the directory how many leading chunks are
+stored. When all of them are, the request goes straight to the decode engine without
+``kv_transfer_params`` (it loads the prefix from the store and computes only the tail) and no
+prefill engine is used; otherwise the normal P/D flow runs. The directory only ever saves work:
+any failure on that path (Redis down, tokenizer error, no registered store scope) is the normal
+P/D flow, never an error to the client. The decision is the record's ``route`` and the
+``X-TurboWire-Route`` response header.
+
 Per-request timings (prefill, decode TTFT, KV transfer when the decode engine reports it) go to
 Prometheus (``/metrics``, names from ``turbowire.metrics_catalog``) and to
 ``GET /turbowire/requests/{id}`` (the demo prints them).
@@ -21,7 +33,7 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,6 +43,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from turbowire.errors import TurboWireError
+from turbowire.store.keys import DEFAULT_NAMESPACE, StoreScope, chunk_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +58,23 @@ PREFILL_PARAMS = {
 DROP_FOR_PREFILL = ("stream_options", "min_tokens")
 MAX_RECORDS = 1024
 
+#: Routing decisions (the ``route`` label, the record's ``route``, ``X-TurboWire-Route``).
+#: ``pd``: no directory configured; ``store_hit``: every full chunk of the prompt is stored, decode
+#: engine only; the other ``pd_*`` ran the normal P/D flow because of what the lookup found:
+#: ``pd_partial`` (some leading chunks stored), ``pd_miss`` (none), ``pd_short`` (no full chunk),
+#: ``pd_no_scope`` (no store engine registered), ``pd_unsupported_prompt`` (batch or embeddings
+#: prompt), ``pd_tokenize_error`` (the decode engine's /tokenize failed), ``pd_directory_error``
+#: (Redis unreachable or the directory call failed).
+ROUTES = (
+    "pd", "store_hit", "pd_partial", "pd_miss", "pd_short", "pd_no_scope",
+    "pd_unsupported_prompt", "pd_tokenize_error", "pd_directory_error",
+)  # fmt: skip
+SCOPE_REFRESH_SECONDS = 10.0
+TOKENIZE_TIMEOUT_SECONDS = 5.0
+#: connector.config.DEFAULT_STORE_TTL_SECONDS (not imported: the proxy does not load the connector)
+DIRECTORY_TTL_SECONDS = 3600.0
+_WARN_EVERY_SECONDS = 30.0
+
 
 class ProxyConfigError(TurboWireError, ValueError):
     """Bad proxy arguments (no engines, malformed URLs)."""
@@ -56,9 +86,13 @@ class RequestRecord:
 
     request_id: str
     endpoint: str
-    prefill_url: str
+    prefill_url: str | None  # None when no prefill engine was used (route store_hit)
     decode_url: str
     stream: bool
+    route: str = "pd"
+    #: Tokens of the prompt's leading chunks found in the store (None: not looked up).
+    stored_tokens: int | None = None
+    directory_lookup_seconds: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prefill_seconds: float | None = None
@@ -77,7 +111,10 @@ class _Metrics:
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        from turbowire.metrics_catalog import PROXY_METRICS, REQUEST_BUCKETS
+        from turbowire.metrics_catalog import DURATION_BUCKETS, PROXY_METRICS, REQUEST_BUCKETS
+
+        # a directory lookup takes about a millisecond: request buckets start at 5 ms
+        buckets = {"turbowire_proxy_directory_lookup_duration_seconds": DURATION_BUCKETS}
 
         self.registry = CollectorRegistry()
         self._m: dict[str, Any] = {}
@@ -90,12 +127,19 @@ class _Metrics:
                 metric = Gauge(spec.base_name, spec.help, spec.labels, registry=self.registry)
             else:
                 metric = Histogram(
-                    spec.base_name, spec.help, spec.labels, buckets=REQUEST_BUCKETS,
-                    registry=self.registry,
+                    spec.base_name, spec.help, spec.labels,
+                    buckets=buckets.get(spec.name, REQUEST_BUCKETS), registry=self.registry,
                 )
             self._m[spec.name] = metric
         for outcome in ("ok", "prefill_error", "decode_error", "client_error"):
             self._m["turbowire_proxy_requests_total"].labels(outcome=outcome)
+        for route in ROUTES:
+            self._m["turbowire_proxy_routes_total"].labels(route=route)
+
+    def route(self, route: str, lookup_seconds: float | None) -> None:
+        self._m["turbowire_proxy_routes_total"].labels(route=route).inc()
+        if lookup_seconds is not None:
+            self._m["turbowire_proxy_directory_lookup_duration_seconds"].observe(lookup_seconds)
 
     def in_flight(self, delta: int) -> None:
         self._m["turbowire_proxy_in_flight_requests"].inc(delta)
@@ -148,8 +192,249 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return p
 
 
+class UnsupportedPrompt(TurboWireError, ValueError):
+    """A prompt the proxy does not look up (a batch, embeddings): it goes the normal P/D way."""
+
+
+#: Chat request fields that shape the prompt's tokens and that vLLM's /tokenize accepts as well
+#: (vllm.entrypoints.serve.tokenize.protocol.TokenizeChatRequest).
+_CHAT_TOKENIZE_FIELDS = (
+    "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+    "mm_processor_kwargs", "media_io_kwargs", "tools",
+)  # fmt: skip
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list) and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )  # fmt: skip
+
+
+def tokenize_request(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | list[int]:
+    """What to send to the engine's ``POST /tokenize`` for this request, or the prompt's token
+    ids when the request already carries them.
+
+    The body renders the prompt the way the completion request will: for chat, the same messages,
+    template and template arguments (``add_generation_prompt`` true by default as in vLLM; the
+    chat endpoint's ``documents`` and ``reasoning_effort``, which /tokenize has no fields for, go
+    into ``chat_template_kwargs`` exactly as vLLM's chat endpoint merges them). A mismatch could
+    only cost a store hit: the decode engine hashes its own tokens and loads only chunks that
+    match them.
+    """
+    model = body.get("model")
+    out: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
+    if endpoint == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise UnsupportedPrompt("chat request without a messages list")
+        out["messages"] = messages
+        for name in _CHAT_TOKENIZE_FIELDS:
+            if body.get(name) is not None:
+                out[name] = body[name]
+        if not body.get("continue_final_message"):
+            out.setdefault("add_generation_prompt", True)
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        effort = body.get("reasoning_effort")
+        extra = {"documents": body.get("documents"), "reasoning_effort": effort}
+        if effort is not None and "enable_thinking" not in kwargs:
+            extra["enable_thinking"] = effort != "none"
+        kwargs.update({k: v for k, v in extra.items() if v is not None})
+        if kwargs:
+            out["chat_template_kwargs"] = kwargs
+        return out
+    if body.get("prompt_embeds") is not None:
+        raise UnsupportedPrompt("prompt_embeds")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if _is_token_ids(prompt):
+        return list(prompt)
+    if not isinstance(prompt, str) or not prompt:
+        raise UnsupportedPrompt("prompt is not one string or one list of token ids")
+    out["prompt"] = prompt
+    if body.get("add_special_tokens") is not None:
+        out["add_special_tokens"] = body["add_special_tokens"]
+    return out
+
+
+@dataclass
+class RouteDecision:
+    """The outcome of one store lookup."""
+
+    route: str
+    stored_tokens: int | None = None
+    prompt_tokens: int | None = None
+    seconds: float | None = None
+
+
+class StoreRouter:
+    """Decides store_hit vs P/D from the Redis directory (one per proxy).
+
+    ``directory`` is a :class:`turbowire.store.directory.Directory` (or anything with its
+    ``engines`` and ``longest_prefix``); its calls are blocking redis-py calls, made in a thread.
+    The store scope (model, preset, format, chunk size, TP) comes from the engines' registrations,
+    refreshed every ``refresh_seconds``.
+    """
+
+    def __init__(
+        self,
+        directory: Any,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        refresh_seconds: float = SCOPE_REFRESH_SECONDS,
+        tokenize_timeout: float = TOKENIZE_TIMEOUT_SECONDS,
+    ) -> None:
+        self.directory = directory
+        self.namespace = namespace
+        self.refresh_seconds = refresh_seconds
+        self.tokenize_timeout = tokenize_timeout
+        #: (http_url or None, scope) of each registered store consumer, newest registry read.
+        self._scopes: list[tuple[str | None, StoreScope]] | None = None
+        self._scopes_at = -float("inf")
+        self._lock = asyncio.Lock()
+        self._warned_disagreement: set[frozenset[StoreScope]] = set()
+        self._warned_at: dict[str, float] = {}
+
+    def _warn(self, key: str, msg: str, *args: Any) -> None:
+        """A warning at most every 30 s per kind (Redis down would otherwise log every request)."""
+        now = time.monotonic()
+        if now - self._warned_at.get(key, -float("inf")) >= _WARN_EVERY_SECONDS:
+            self._warned_at[key] = now
+            logger.warning(msg, *args)
+
+    def _fresh(self) -> bool:
+        return (
+            self._scopes is not None
+            and time.monotonic() - self._scopes_at < self.refresh_seconds
+        )
+
+    async def _registered(self) -> list[tuple[str | None, StoreScope]]:
+        """The registered store consumers, re-read when older than ``refresh_seconds``.
+
+        When the registry cannot be read the previous list is kept until the next refresh (the
+        lookup then fails fast and is counted as a directory error); with no previous list the
+        error is raised, and the next request tries again (the directory's circuit breaker keeps
+        that from touching the network while Redis is down).
+        """
+        if self._fresh():
+            return self._scopes  # type: ignore[return-value]
+        async with self._lock:
+            if self._fresh():
+                return self._scopes  # type: ignore[return-value]
+            try:
+                entries = await asyncio.to_thread(self.directory.engines, self.namespace)
+            except Exception:
+                if self._scopes is None:
+                    raise
+                self._scopes_at = time.monotonic()
+                return self._scopes
+            scopes: list[tuple[str | None, StoreScope]] = []
+            for entry in entries:
+                role = str(getattr(entry, "role", "")).removeprefix("kv_")
+                scope = getattr(entry, "scope", None)
+                if role not in ("consumer", "both") or not scope:
+                    continue
+                try:
+                    parsed = StoreScope.from_dict(scope)
+                except TurboWireError as exc:
+                    self._warn(f"scope:{entry.engine_id}", "engine %s: %s", entry.engine_id, exc)
+                    continue
+                url = entry.http_url.rstrip("/") if entry.http_url else None
+                scopes.append((url, parsed))
+            self._scopes, self._scopes_at = scopes, time.monotonic()
+            return scopes
+
+    async def scope_for(self, decode_url: str) -> StoreScope | None:
+        """The store scope to look up for a request decoded on ``decode_url``: that engine's when
+        it is registered, else the most common one (None when no store consumer is registered)."""
+        scopes = await self._registered()
+        if not scopes:
+            return None
+        distinct = frozenset(s for _, s in scopes)
+        if len(distinct) > 1 and distinct not in self._warned_disagreement:
+            self._warned_disagreement.add(distinct)
+            logger.warning(
+                "store engines registered in namespace %r disagree on the store scope (%s): "
+                "lookups use the decode engine's scope, or the most common one",
+                self.namespace, ", ".join(sorted(s.prefix for s in distinct)),
+            )
+        url = decode_url.rstrip("/")
+        for engine_url, scope in scopes:
+            if engine_url == url:
+                return scope
+        return Counter(s for _, s in scopes).most_common(1)[0][0]
+
+    async def _tokens(
+        self, endpoint: str, body: dict[str, Any], client: httpx.AsyncClient,
+        headers: dict[str, str],
+    ) -> list[int]:
+        req = tokenize_request(endpoint, body)
+        if isinstance(req, list):
+            return req
+        r = await client.post("/tokenize", json=req, headers=headers, timeout=self.tokenize_timeout)
+        if r.status_code != 200:
+            raise ValueError(f"/tokenize answered {r.status_code}: {r.text[:200]}")
+        tokens = r.json().get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ValueError("/tokenize answer has no token id list")
+        return tokens
+
+    async def decide(
+        self, endpoint: str, body: dict[str, Any], client: httpx.AsyncClient, decode_url: str,
+        headers: dict[str, str],
+    ) -> RouteDecision:
+        """Never raises: every failure is a ``pd_*`` route."""
+        t0 = time.perf_counter()
+        decision = await self._decide(endpoint, body, client, decode_url, headers)
+        decision.seconds = time.perf_counter() - t0
+        return decision
+
+    async def _decide(
+        self, endpoint: str, body: dict[str, Any], client: httpx.AsyncClient, decode_url: str,
+        headers: dict[str, str],
+    ) -> RouteDecision:
+        try:
+            scope = await self.scope_for(decode_url)
+        except Exception as exc:
+            self._warn("directory", "store directory unreachable, routing P/D: %s", exc)
+            return RouteDecision("pd_directory_error")
+        if scope is None:
+            self._warn("no_scope", "no store engine registered in namespace %r: routing P/D",
+                       self.namespace)
+            return RouteDecision("pd_no_scope")
+        try:
+            tokens = await self._tokens(endpoint, body, client, headers)
+        except UnsupportedPrompt:
+            return RouteDecision("pd_unsupported_prompt")
+        except Exception as exc:
+            self._warn(f"tokenize:{decode_url}", "tokenizing on %s failed, routing P/D: %s",
+                       decode_url, exc)
+            return RouteDecision("pd_tokenize_error")
+        try:
+            hashes = chunk_hashes(tokens, scope.chunk_tokens)
+        except TurboWireError:
+            return RouteDecision("pd_unsupported_prompt", prompt_tokens=len(tokens))
+        if not hashes:
+            return RouteDecision("pd_short", 0, len(tokens))
+        try:
+            stored = int(await asyncio.to_thread(self.directory.longest_prefix, scope, hashes))
+        except Exception as exc:
+            self._warn("directory", "store directory lookup failed, routing P/D: %s", exc)
+            return RouteDecision("pd_directory_error", prompt_tokens=len(tokens))
+        stored = max(0, min(stored, len(hashes)))
+        route = "store_hit" if stored == len(hashes) else "pd_partial" if stored else "pd_miss"
+        return RouteDecision(route, stored * scope.chunk_tokens, len(tokens))
+
+    async def aclose(self) -> None:
+        close = getattr(self.directory, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
+
 class PDProxy:
-    """Round-robin P/D routing with request records and Prometheus metrics."""
+    """Round-robin P/D routing with request records and Prometheus metrics; with a store
+    directory, requests whose whole prompt prefix is stored skip prefill (see the module doc)."""
 
     def __init__(
         self,
@@ -157,6 +442,8 @@ class PDProxy:
         decode_urls: Sequence[str],
         timeout: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        directory: Any | None = None,
+        store_namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
         self.prefill_urls = _check_urls("prefill", prefill_urls)
         self.decode_urls = _check_urls("decode", decode_urls)
@@ -172,14 +459,37 @@ class PDProxy:
         }
         self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = _Metrics()
+        self.router = StoreRouter(directory, store_namespace) if directory is not None else None
 
     async def aclose(self) -> None:
         await asyncio.gather(*(c.aclose() for c in self._clients.values()))
+        if self.router is not None:
+            await self.router.aclose()
 
     def _remember(self, rec: RequestRecord) -> None:
         self.records[rec.request_id] = rec
         while len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
+
+    async def _route(
+        self, rec: RequestRecord, endpoint: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> None:
+        if self.router is None:
+            self.metrics.route("pd", None)
+            return
+        try:
+            decision = await self.router.decide(
+                endpoint, body, self._clients[rec.decode_url], rec.decode_url, headers
+            )
+        except Exception:  # decide() does not raise; never fail a request over the directory
+            logger.exception("request %s: store lookup failed, routing P/D", rec.request_id)
+            decision = RouteDecision("pd_directory_error")
+        rec.route = decision.route
+        rec.stored_tokens = decision.stored_tokens
+        rec.directory_lookup_seconds = decision.seconds
+        if decision.prompt_tokens is not None:
+            rec.prompt_tokens = decision.prompt_tokens
+        self.metrics.route(decision.route, decision.seconds)
 
     async def handle(self, endpoint: str, request: Request) -> Response:
         try:
@@ -189,10 +499,9 @@ class PDProxy:
         if not isinstance(body, dict):
             raise HTTPException(400, "request body must be a JSON object")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        p_url = self.prefill_urls[next(self._p_cycle)]
         d_url = self.decode_urls[next(self._d_cycle)]
         stream = bool(body.get("stream"))
-        rec = RequestRecord(request_id, endpoint, p_url, d_url, stream)
+        rec = RequestRecord(request_id, endpoint, None, d_url, stream)
         self._remember(rec)
         headers = {"X-Request-Id": request_id}
         auth = request.headers.get("authorization")
@@ -200,20 +509,28 @@ class PDProxy:
             headers["Authorization"] = auth
         self.metrics.in_flight(1)
         t0 = time.perf_counter()
+        await self._route(rec, endpoint, body, headers)
+        if rec.route == "store_hit":
+            # the decode engine finds the prefix in the store itself: no prefill, no params
+            d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            return await self._decode(rec, endpoint, d_body, headers, t0)
+        p_url = self.prefill_urls[next(self._p_cycle)]
+        rec.prefill_url = p_url
+        tp = time.perf_counter()
         try:
             p_resp = await self._clients[p_url].post(
                 endpoint, json=prefill_body(body), headers=headers
             )
         except httpx.HTTPError as exc:
             return self._error(rec, "prefill_error", 502, f"prefill engine {p_url}: {exc}")
-        rec.prefill_seconds = time.perf_counter() - t0
+        rec.prefill_seconds = time.perf_counter() - tp
         if p_resp.status_code != 200:
             outcome = "client_error" if 400 <= p_resp.status_code < 500 else "prefill_error"
             return self._error(rec, outcome, p_resp.status_code, p_resp.text, passthrough=True)
         p_json = p_resp.json()
         kv = p_json.get("kv_transfer_params")
         rec.kv_transfer_params = kv
-        rec.prompt_tokens = (p_json.get("usage") or {}).get("prompt_tokens")
+        rec.prompt_tokens = (p_json.get("usage") or {}).get("prompt_tokens", rec.prompt_tokens)
         d_body = dict(body)
         if kv:
             d_body["kv_transfer_params"] = kv
@@ -221,39 +538,51 @@ class PDProxy:
             logger.warning(
                 "prefill engine %s returned no kv_transfer_params: decode recomputes", p_url
             )
-        client = self._clients[d_url]
-        if stream:
+        return await self._decode(rec, endpoint, d_body, headers, t0)
+
+    def _headers(self, rec: RequestRecord) -> dict[str, str]:
+        return {"X-Request-Id": rec.request_id, "X-TurboWire-Route": rec.route}
+
+    async def _decode(
+        self, rec: RequestRecord, endpoint: str, d_body: dict[str, Any],
+        headers: dict[str, str], t0: float,
+    ) -> Response:
+        client = self._clients[rec.decode_url]
+        if rec.stream:
             return StreamingResponse(
                 self._stream(rec, client, endpoint, d_body, headers, t0),
                 media_type="text/event-stream",
-                headers={"X-Request-Id": request_id},
+                headers=self._headers(rec),
             )
         t1 = time.perf_counter()
         try:
             d_resp = await client.post(endpoint, json=d_body, headers=headers)
         except httpx.HTTPError as exc:
-            return self._error(rec, "decode_error", 502, f"decode engine {d_url}: {exc}")
+            return self._error(rec, "decode_error", 502, f"decode engine {rec.decode_url}: {exc}")
         now = time.perf_counter()
         if d_resp.status_code != 200:
-            return self._error(
-                rec, "decode_error", d_resp.status_code, d_resp.text, passthrough=True
-            )
+            outcome = (
+                "client_error"
+                if rec.prefill_url is None and 400 <= d_resp.status_code < 500
+                else "decode_error"
+            )  # without a prefill step, the decode engine is the first to judge the request
+            return self._error(rec, outcome, d_resp.status_code, d_resp.text, passthrough=True)
         d_json = d_resp.json()
         report = (d_json.get("kv_transfer_params") or {}).get("turbowire_load")
         rec.decode_report = report if isinstance(report, dict) else None
-        rec.completion_tokens = (d_json.get("usage") or {}).get("completion_tokens")
+        usage = d_json.get("usage") or {}
+        rec.completion_tokens = usage.get("completion_tokens")
+        if rec.prompt_tokens is None:
+            rec.prompt_tokens = usage.get("prompt_tokens")
         rec.decode_ttft_seconds = None  # not observable without streaming
         rec.total_seconds = now - t0
         rec.outcome = "ok"
         self._done(rec)
-        return JSONResponse(
-            d_json,
-            headers={
-                "X-Request-Id": request_id,
-                "X-TurboWire-Prefill-Ms": f"{rec.prefill_seconds * 1e3:.1f}",
-                "X-TurboWire-Decode-Ms": f"{(now - t1) * 1e3:.1f}",
-            },
-        )
+        out = self._headers(rec)
+        if rec.prefill_seconds is not None:
+            out["X-TurboWire-Prefill-Ms"] = f"{rec.prefill_seconds * 1e3:.1f}"
+        out["X-TurboWire-Decode-Ms"] = f"{(now - t1) * 1e3:.1f}"
+        return JSONResponse(d_json, headers=out)
 
     async def _stream(
         self,
@@ -318,8 +647,14 @@ class PDProxy:
         self._done(rec)
         logger.warning("request %s: %s (%d): %s", rec.request_id, outcome, status, message[:300])
         if passthrough:
-            return Response(message, status_code=status, media_type="application/json")
-        return JSONResponse({"error": {"message": message, "type": outcome}}, status_code=status)
+            return Response(
+                message, status_code=status, media_type="application/json",
+                headers=self._headers(rec),
+            )
+        return JSONResponse(
+            {"error": {"message": message, "type": outcome}}, status_code=status,
+            headers=self._headers(rec),
+        )
 
     async def health(self) -> tuple[bool, dict[str, str]]:
         async def probe(url: str) -> tuple[str, str]:
@@ -333,14 +668,38 @@ class PDProxy:
         return all(v == "ok" for v in results.values()), results
 
 
+def open_directory(url: str, ttl_seconds: float = DIRECTORY_TTL_SECONDS) -> Any:
+    """The store directory at ``url`` (``redis://HOST:PORT[/DB]`` or ``rediss://``).
+
+    ``ttl_seconds`` should be the engines' ``store_ttl_seconds``: a lookup that hits refreshes the
+    entries it found to it. Nothing is contacted here: the proxy starts (and serves P/D) while
+    Redis is down."""
+    from turbowire.store.directory import Directory
+
+    try:
+        return Directory(url, ttl_seconds=ttl_seconds)
+    except TurboWireError as exc:
+        raise ProxyConfigError(f"--directory: {exc}") from exc
+
+
 def build_app(
     prefill_urls: Sequence[str],
     decode_urls: Sequence[str],
     timeout: float = 600.0,
     transport: httpx.AsyncBaseTransport | None = None,
+    *,
+    directory_url: str | None = None,
+    store_namespace: str = DEFAULT_NAMESPACE,
+    directory_ttl_seconds: float = DIRECTORY_TTL_SECONDS,
+    directory: Any | None = None,
 ) -> FastAPI:
-    """The FastAPI app (``turbowire proxy`` serves it with uvicorn)."""
-    proxy = PDProxy(prefill_urls, decode_urls, timeout, transport)
+    """The FastAPI app (``turbowire proxy`` serves it with uvicorn).
+
+    ``directory_url`` turns on cache-aware routing (``directory`` injects a ready directory
+    object instead, for tests)."""
+    if directory is None and directory_url:
+        directory = open_directory(directory_url, directory_ttl_seconds)
+    proxy = PDProxy(prefill_urls, decode_urls, timeout, transport, directory, store_namespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
