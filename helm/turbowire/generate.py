@@ -2,8 +2,9 @@
 
 One source of truth: Helm reads only files inside the chart, so the Grafana dashboard and the
 Prometheus rules of ``deploy/`` are copied into ``files/`` (byte for byte), and
-``values.schema.json`` is built here: its preset enum comes from ``turbowire.codec.list_presets()``
-and the ``turbowire.extraConfig`` keys and their types from the connector's ``CONFIG_KEYS``
+``values.schema.json`` is built here: its preset enum comes from ``turbowire.codec.list_presets()``,
+the transport enum from the connector's ``TRANSPORTS``, and the ``turbowire.extraConfig`` and
+``turbowire.store`` keys and their types from the connector's ``CONFIG_KEYS``
 (``connector/config.py``). tests/unit/test_helm_chart.py runs ``--check``.
 
     python helm/turbowire/generate.py            # rewrite files/ and values.schema.json
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,15 +29,24 @@ COPIES: dict[str, str] = {
     "files/turbowire.json": "deploy/grafana/turbowire.json",
 }
 
-#: connector keys the chart sets from its own values (refused in turbowire.extraConfig)
+#: chart value under turbowire.store -> the connector key it renders (transport store/both only)
+STORE_VALUES: dict[str, str] = {
+    "namespace": "store_namespace",
+    "localCpuBytes": "store_local_cpu_bytes",
+    "localDisk": "store_local_disk",
+    "ttlSeconds": "store_ttl_seconds",
+    "chunkTokens": "store_chunk_tokens",
+}
+#: connector keys the chart sets from its own values (refused in turbowire.extraConfig; the
+#: template's list in _helpers.tpl "turbowire.kvTransferConfig" must name the same keys)
 RESERVED_KEYS: dict[str, str] = {
     "preset": "turbowire.preset",
     "side_channel_port": "turbowire.sideChannelPort",
     "side_channel_host": "the pod IP (set by the chart)",
     "auth_token": "turbowire.authToken (a Secret)",
-}
-#: transports the connector implements today; "store" and "both" come with the store path
-TRANSPORTS = ["nixl"]
+    "transport": "turbowire.transport",
+    "store_url": "redis.enabled or redis.url",
+} | {key: f"turbowire.store.{value}" for value, key in STORE_VALUES.items()}
 
 # sizes as the connector's parse_size reads them (bare K/M/G binary; KB/MB/GB decimal)
 CONNECTOR_SIZE = r"^[0-9]+(\.[0-9]+)?([kKmMgG]([iI]?[bB])?|[bB])?$"
@@ -77,6 +88,23 @@ def _kind_schema(kind: Any) -> dict[str, Any]:
     if isinstance(kind, c.Text):
         return {"type": ["string", "null"]} if kind.nullable else {"type": "string"}
     raise TypeError(f"no schema for value kind {type(kind).__name__}")
+
+
+def _store_schema() -> dict[str, Any]:
+    """turbowire.store: each value typed as its connector key, null meaning the default."""
+    from turbowire.connector import config as c
+
+    properties = {}
+    for value, key in STORE_VALUES.items():
+        schema = _kind_schema(c.CONFIG_KEYS_BY_NAME[key].kind)
+        if key == "store_namespace":
+            schema = {**schema, "pattern": c.STORE_NAME_RE.pattern}
+        default = "the release name" if key == "store_namespace" else "the connector's default"
+        properties[value] = {
+            "anyOf": [schema, {"type": "null"}],
+            "description": f"{key} (transport store/both); null: {default}",
+        }
+    return _obj(properties, additionalProperties=False)
 
 
 def _obj(properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -161,9 +189,13 @@ def _engine(role: str) -> dict[str, Any]:
 def build_schema() -> dict[str, Any]:
     """values.schema.json."""
     from turbowire.codec import list_presets
-    from turbowire.connector.config import CONFIG_KEYS
+    from turbowire.connector.config import CONFIG_KEYS, STORE_URL_SCHEMES, TRANSPORTS
 
     extra_keys = {k.name: _kind_schema(k.kind) for k in CONFIG_KEYS if k.name not in RESERVED_KEYS}
+    # Redis URLs of the connector's schemes (its Text rules are code, not a schema); empty: unset
+    schemes = "|".join(re.escape(s.removesuffix("://")) for s in STORE_URL_SCHEMES)
+    redis_url = f"^(({schemes})://.+)?$"
+    extra_keys["directory_url"]["pattern"] = redis_url
     monitor = _obj({"enabled": BOOL, "labels": OBJ}, additionalProperties=False)
     return {
         "$schema": "https://json-schema.org/draft-07/schema#",
@@ -210,10 +242,11 @@ def build_schema() -> dict[str, Any]:
                         "description": "a codec preset (turbowire presets)",
                     },
                     "transport": {
-                        "enum": TRANSPORTS,
-                        "description": "only nixl exists today; store and both come with the "
-                        "store path",
+                        "enum": list(TRANSPORTS),
+                        "description": "nixl: P/D hand-off over NIXL; store: the shared store "
+                        "(Redis); both: the two (store and both need redis.enabled or redis.url)",
                     },
+                    "store": _store_schema(),
                     "sideChannelPort": PORT,
                     "extraConfig": {
                         "type": "object",
@@ -285,11 +318,28 @@ def build_schema() -> dict[str, Any]:
                     "enabled": BOOL,
                     "url": {
                         "type": "string",
-                        "pattern": r"^(rediss?://.+)?$",
+                        "pattern": redis_url,
                         "description": "redis://host:port/db of an external Redis",
                     },
                     "image": {"type": "string", "minLength": 1},
                     "port": PORT,
+                    "maxmemory": {
+                        "type": "string",
+                        "pattern": r"^([0-9]+([kKmMgG][bB]?)?)?$",
+                        "description": "Redis maxmemory such as 384mb (empty: no limit)",
+                    },
+                    "maxmemoryPolicy": {
+                        "enum": [
+                            "noeviction",
+                            "allkeys-lru",
+                            "allkeys-lfu",
+                            "allkeys-random",
+                            "volatile-lru",
+                            "volatile-lfu",
+                            "volatile-random",
+                            "volatile-ttl",
+                        ],
+                    },
                     "resources": _resources(),
                 },
                 additionalProperties=False,

@@ -1,6 +1,7 @@
 """The Helm chart (helm/turbowire): rendered by the real Helm engine (helm-python-sdk wraps Helm's
 Go SDK), linted, every object validated against the Kubernetes 1.31 schemas, the schema refusing
-bad values, and every engine's --kv-transfer-config accepted by the connector's own parser."""
+bad values, and every engine's --kv-transfer-config accepted by the connector's own parser; the
+store path (transport store/both) with the chart's Redis and with an external one."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import pytest
 import yaml
 
 from turbowire.codec import list_presets
-from turbowire.connector.config import CONFIG_KEYS, TurboWireConfig
+from turbowire.connector.codecs import known_presets
+from turbowire.connector.config import CONFIG_KEYS, TRANSPORTS, TurboWireConfig, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "turbowire"
-EXAMPLES = sorted((CHART / "examples").glob("values-*.yaml"))
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 KUBE_VERSION = "1.31"
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 RELEASE, NAMESPACE = "tw", "llm"
@@ -41,6 +43,67 @@ ALL_ON: dict[str, Any] = {
     },
 }
 CASES["all-on"] = ALL_ON
+#: the store path: store and both, with the chart's Redis and with an external one
+EXTERNAL_REDIS = "rediss://redis.shared-infra.svc:6380/2"
+CASES["store-in-chart"] = {"turbowire": {"transport": "store"}, "redis": {"enabled": True}}
+CASES["both-in-chart"] = {
+    "turbowire": {
+        "transport": "both",
+        "store": {
+            "namespace": "team-a.qwen",
+            "localCpuBytes": "2GiB",
+            "localDisk": "/cache/turbowire-store",
+            "ttlSeconds": 600,
+            "chunkTokens": 512,
+        },
+        "extraConfig": {"load_failure_policy": "recompute"},
+    },
+    "redis": {"enabled": True, "port": 6380},
+}
+CASES["store-external"] = {
+    "turbowire": {"transport": "store", "store": {"localCpuBytes": 0}},
+    "redis": {"url": EXTERNAL_REDIS},
+}
+CASES["both-external"] = {
+    "turbowire": {
+        "transport": "both",
+        # the directory in another Redis than the bytes: the proxy must read that one
+        "extraConfig": {"directory_url": "redis://directory.shared-infra.svc:6379/0"},
+    },
+    "redis": {"url": "redis://redis.shared-infra.svc:6379/3"},
+}
+#: chart value under turbowire.store -> connector key (the README's and values.yaml's contract)
+STORE_VALUES = {
+    "namespace": "store_namespace",
+    "localCpuBytes": "store_local_cpu_bytes",
+    "localDisk": "store_local_disk",
+    "ttlSeconds": "store_ttl_seconds",
+    "chunkTokens": "store_chunk_tokens",
+}
+#: connector keys the chart sets from its own values, refused in turbowire.extraConfig
+RESERVED = {
+    "preset", "side_channel_port", "side_channel_host", "auth_token", "transport", "store_url",
+} | set(STORE_VALUES.values())  # fmt: skip
+
+
+def expected_store(values: dict[str, Any]) -> dict[str, Any] | None:
+    """The store keys each engine's kv_connector_extra_config must carry (None: transport nixl)."""
+    tw = values.get("turbowire", {})
+    transport = tw.get("transport", "nixl")
+    if transport == "nixl":
+        return None
+    redis = values.get("redis", {})
+    if redis.get("enabled"):
+        url = f"redis://{RELEASE}-turbowire-redis:{redis.get('port', 6379)}"
+    else:
+        url = redis["url"]
+    store = tw.get("store", {})
+    out = {"transport": transport, "store_url": url, "store_namespace": store.get("namespace")}
+    out["store_namespace"] = out["store_namespace"] or RELEASE
+    for value, key in STORE_VALUES.items():
+        if value != "namespace" and store.get(value) is not None:
+            out[key] = store[value]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +167,12 @@ def test_schema_presets_come_from_the_codec() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     turbowire = schema["properties"]["turbowire"]["properties"]
     assert turbowire["preset"]["enum"] == list_presets()
-    assert turbowire["transport"]["enum"] == ["nixl"]
+    # one source of truth: the connector's transports, its keys (less the ones the chart sets)
+    assert turbowire["transport"]["enum"] == list(TRANSPORTS) == ["nixl", "store", "both"]
     extra = set(turbowire["extraConfig"]["properties"])
-    assert extra == {k.name for k in CONFIG_KEYS} - {
-        "preset",
-        "side_channel_port",
-        "side_channel_host",
-        "auth_token",
-    }
+    assert extra == {k.name for k in CONFIG_KEYS} - RESERVED
+    assert "directory_url" in extra
+    assert set(turbowire["store"]["properties"]) == set(STORE_VALUES)
 
 
 # -- render, lint, validate ------------------------------------------------------------------------
@@ -174,6 +235,8 @@ def test_kv_transfer_config_is_accepted_by_the_connector(rendered, case: str) ->
     assert len(deployments) == 2
     values = CASES[case]
     preset = values.get("turbowire", {}).get("preset", "tq4")
+    store = expected_store(values)
+    extras = {}
     for dep in deployments:
         role = dep["metadata"]["labels"]["app.kubernetes.io/component"]
         (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -185,20 +248,69 @@ def test_kv_transfer_config_is_accepted_by_the_connector(rendered, case: str) ->
         assert kv["kv_connector"] == "TurboWireConnector"
         assert kv["kv_connector_module_path"] == "turbowire.connector"
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-        assert "transport" not in kv["kv_connector_extra_config"]
+        extra = extras[role] = kv["kv_connector_extra_config"]
+        own = set(values.get("turbowire", {}).get("extraConfig", {}))
+        if store is None:
+            # nixl: exactly what the chart rendered before the store path (no transport key)
+            assert set(extra) == {"preset", "side_channel_port", "side_channel_host"} | own
+        else:
+            assert (
+                set(extra)
+                == {"preset", "side_channel_port", "side_channel_host"} | set(store) | own
+            ), extra
+            assert {k: extra[k] for k in store} == store
         # the token reaches the connector through its default env variable, from the Secret
         assert "secretKeyRef" in env["TURBOWIRE_AUTH_TOKEN"]["valueFrom"]
+        assert "TURBOWIRE_REDIS_URL" not in env  # the Redis reaches the connector as store_url
         cfg = TurboWireConfig.from_extra_config(
-            kv["kv_connector_extra_config"],
+            extra,
             environ={"TURBOWIRE_AUTH_TOKEN": "a-token-of-enough-chars"},
-            known_presets=list_presets(),
+            known_presets=known_presets(),
         )
         assert cfg.preset == preset
+        assert cfg.transport == (store or {}).get("transport", "nixl")
+        if store is not None:
+            assert cfg.uses_store and cfg.store_url == store["store_url"]
+            assert cfg.store_namespace == store["store_namespace"]
+            assert cfg.directory_url == extra.get("directory_url", store["store_url"])
+            assert cfg.load_failure_policy != "fail"
+            if "store_local_cpu_bytes" in store:
+                assert cfg.store_local_cpu_bytes == parse_size("x", store["store_local_cpu_bytes"])
+            for key in ("store_local_disk", "store_ttl_seconds", "store_chunk_tokens"):
+                if key in store:
+                    assert getattr(cfg, key) == store[key], key
         assert cfg.side_channel_host == POD_IP
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["side-channel"] == cfg.side_channel_port
         # the connector's own path, as the issue asks: no environment at all
         TurboWireConfig.from_extra_config(kv["kv_connector_extra_config"], environ={})
+    # both roles read and write one store
+    assert {k: v for k, v in extras["prefill"].items() if k.startswith(("store", "transport"))} == {
+        k: v for k, v in extras["decode"].items() if k.startswith(("store", "transport"))
+    }
+
+
+def test_store_values_are_not_rendered_with_nixl(chart) -> None:
+    """turbowire.store.* apply to store/both only: with nixl the engines' config stays as it was."""
+    values = {
+        "turbowire": {"store": {"namespace": "x", "ttlSeconds": 60}},
+        "redis": {"enabled": True},
+    }
+    for dep in engines(render(chart, values)):
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        extra = json.loads(arg_after(container["args"], "--kv-transfer-config"))[
+            "kv_connector_extra_config"
+        ]
+        assert set(extra) == {"preset", "side_channel_port", "side_channel_host"}
+
+
+@pytest.mark.parametrize("transport", ["store", "both"])
+def test_store_without_redis_fails_with_the_message(chart, transport: str) -> None:
+    with pytest.raises(helm_python.HelmError) as info:
+        chart.render({"turbowire": {"transport": transport}}, name=RELEASE, namespace=NAMESPACE)
+    message = str(info.value)
+    assert f"turbowire.transport={transport} needs a Redis" in message, message
+    assert "redis.enabled" in message and "redis.url" in message, message
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -259,13 +371,37 @@ def test_gpu_and_scheduling_values_reach_the_pods(rendered) -> None:
         assert "nvidia.com/gpu" not in json.dumps(container["resources"])
 
 
+def component(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (obj,) = [
+        d
+        for d in of_kind(docs, kind)
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == name
+    ]
+    return obj
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_proxy_reads_the_store_directory(rendered, case: str) -> None:
+    docs = rendered[case]
+    (container,) = component(docs, "Deployment", "proxy")["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    store = expected_store(CASES[case])
+    if store is None:
+        assert "--directory" not in args and "--store-namespace" not in args
+        return
+    (engine, *_) = engines(docs)
+    (engine_container,) = engine["spec"]["template"]["spec"]["containers"]
+    extra = json.loads(arg_after(engine_container["args"], "--kv-transfer-config"))[
+        "kv_connector_extra_config"
+    ]
+    # the directory the engines write (directory_url, by default the store_url) and their namespace
+    assert arg_after(args, "--directory") == extra.get("directory_url", store["store_url"])
+    assert arg_after(args, "--store-namespace") == store["store_namespace"]
+
+
 def test_proxy_points_at_the_engine_services(rendered) -> None:
     docs = rendered["defaults"]
-    (proxy,) = [
-        d
-        for d in of_kind(docs, "Deployment")
-        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "proxy"
-    ]
+    proxy = component(docs, "Deployment", "proxy")
     (container,) = proxy["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["turbowire"] and container["args"][0] == "proxy"
     services = {s["metadata"]["name"]: s for s in of_kind(docs, "Service")}
@@ -309,6 +445,52 @@ def test_side_channel_and_nixl_ports_open_only_to_the_release(rendered, case: st
                 assert opened == private
             else:
                 assert opened == {named["http"]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_redis_open_only_to_the_release(rendered, case: str) -> None:
+    """The chart's Redis admits this release's pods (engines and proxy) on its port, nobody else."""
+    docs = rendered[case]
+    redis = CASES[case].get("redis", {})
+    policies = [
+        p
+        for p in of_kind(docs, "NetworkPolicy")
+        if p["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"
+    ]
+    if not redis.get("enabled"):
+        assert not policies
+        assert not [
+            d for d in of_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-redis")
+        ]
+        return
+    (policy,) = policies
+    deployment = component(docs, "Deployment", "redis")
+    service = component(docs, "Service", "redis")
+    port = redis.get("port", 6379)
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"]
+        == deployment["spec"]["selector"]["matchLabels"]
+    )
+    release_only = {"app.kubernetes.io/name": "turbowire", "app.kubernetes.io/instance": RELEASE}
+    assert policy["spec"]["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": release_only}}],
+            "ports": [{"protocol": "TCP", "port": port}],
+        }
+    ]
+    # the engines and the proxy carry the labels the rule admits
+    for name in ("prefill", "decode", "proxy"):
+        labels = component(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert release_only.items() <= labels.items(), name
+    assert service["spec"]["ports"][0]["port"] == port
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert arg_after(container["args"], "--port") == str(port)
+    # a cache: evicts before the kubelet OOM-kills it
+    assert arg_after(container["args"], "--maxmemory") == redis.get("maxmemory", "384mb")
+    assert arg_after(container["args"], "--maxmemory-policy") == "allkeys-lru"
+    store = expected_store(CASES[case])
+    if store is not None:
+        assert store["store_url"] == f"redis://{service['metadata']['name']}:{port}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -367,8 +549,26 @@ def test_monitoring_objects(rendered, case: str) -> None:
 
 BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"turbowire": {"preset": "tq5"}}, "preset"),
-    ({"turbowire": {"transport": "store"}}, "transport"),
+    ({"turbowire": {"transport": "foo"}}, "transport"),
     ({"turbowire": {"transport": "carrier-pigeon"}}, "transport"),
+    ({"turbowire": {"transport": "store"}}, "redis.enabled"),
+    (
+        {
+            "turbowire": {"transport": "both", "extraConfig": {"load_failure_policy": "fail"}},
+            "redis": {"enabled": True},
+        },
+        "load_failure_policy",
+    ),
+    ({"turbowire": {"extraConfig": {"store_url": "redis://r:6379"}}}, "store_url"),
+    ({"turbowire": {"extraConfig": {"store_namespace": "x"}}}, "store_namespace"),
+    ({"turbowire": {"extraConfig": {"store_ttl_seconds": 60}}}, "store_ttl_seconds"),
+    ({"turbowire": {"store": {"namespace": "a/b"}}}, "namespace"),
+    ({"turbowire": {"store": {"localCpuBytes": "lots"}}}, "localCpuBytes"),
+    ({"turbowire": {"store": {"ttlSeconds": 0}}}, "ttlSeconds"),
+    ({"turbowire": {"store": {"chunkTokens": 0}}}, "chunkTokens"),
+    ({"turbowire": {"store": {"ttl": 60}}}, "ttl"),
+    ({"turbowire": {"extraConfig": {"directory_url": "http://x"}}}, "directory_url"),
+    ({"redis": {"maxmemory": "lots"}}, "maxmemory"),
     ({"prefill": {"replicas": -1}}, "replicas"),
     ({"decode": {"replicas": "two"}}, "replicas"),
     ({"decode": {"shmSize": "16 gigs"}}, "shmSize"),
@@ -463,7 +663,10 @@ def test_checkov_has_no_unjustified_finding(rendered, tmp_path: Path) -> None:
 
 CONTRACT = [
     "model.name", "prefill.replicas", "decode.replicas", "turbowire.preset", "turbowire.transport",
-    "turbowire.extraConfig", "redis.enabled", "redis.url", "monitoring.serviceMonitor.enabled",
+    "turbowire.store.namespace", "turbowire.store.localCpuBytes", "turbowire.store.localDisk",
+    "turbowire.store.ttlSeconds", "turbowire.store.chunkTokens",
+    "turbowire.extraConfig", "redis.enabled", "redis.url", "redis.maxmemory",
+    "redis.maxmemoryPolicy", "monitoring.serviceMonitor.enabled",
     "monitoring.podMonitor.enabled", "monitoring.prometheusRule.enabled",
     "monitoring.grafanaDashboard.enabled", "networkPolicy.enabled", "image.repository",
     "image.tag", "resources", "ucx.env",

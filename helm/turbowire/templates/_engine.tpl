@@ -132,11 +132,6 @@ spec:
             - name: {{ $name }}
               value: {{ $value | toString | quote }}
             {{- end }}
-            {{- $redisUrl := include "turbowire.redisUrl" $root }}
-            {{- if $redisUrl }}
-            - name: TURBOWIRE_REDIS_URL
-              value: {{ $redisUrl | quote }}
-            {{- end }}
             {{- with $e.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}

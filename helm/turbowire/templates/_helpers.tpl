@@ -55,36 +55,85 @@ app.kubernetes.io/part-of: turbowire
 {{- default (printf "%s-auth" (include "turbowire.fullname" .)) .Values.turbowire.authToken.existingSecret -}}
 {{- end -}}
 
-{{/* The Redis address for the (future) store directory: the bundled one or redis.url. */}}
+{{/* The Redis of the store path: the one deployed here (its Service) or redis.url; "" if none. */}}
 {{- define "turbowire.redisUrl" -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
 {{- fail "redis.enabled and redis.url exclude each other: deploy Redis here (enabled) or point at one (url)" -}}
 {{- end -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis:%d/0" (include "turbowire.fullname" .) (int .Values.redis.port) -}}
+{{- printf "redis://%s-redis:%d" (include "turbowire.fullname" .) (int .Values.redis.port) -}}
 {{- else -}}
 {{- .Values.redis.url -}}
 {{- end -}}
+{{- end -}}
+
+{{/* "true" when turbowire.transport uses the store (store or both), else "". */}}
+{{- define "turbowire.usesStore" -}}
+{{- if has .Values.turbowire.transport (list "store" "both") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The store_url of store/both: the Redis above; rendering fails without one. */}}
+{{- define "turbowire.storeUrl" -}}
+{{- $url := include "turbowire.redisUrl" . -}}
+{{- if not $url -}}
+{{- fail (printf "turbowire.transport=%s needs a Redis for the store: set redis.enabled=true (deploy one here) or redis.url=redis://HOST:PORT (an external one)" .Values.turbowire.transport) -}}
+{{- end -}}
+{{- $url -}}
+{{- end -}}
+
+{{/* store_namespace: turbowire.store.namespace, else the release name. */}}
+{{- define "turbowire.storeNamespace" -}}
+{{- $store := .Values.turbowire.store | default dict -}}
+{{- default .Release.Name $store.namespace -}}
+{{- end -}}
+
+{{/* The directory the proxy reads (store/both): extraConfig.directory_url, else the store URL. */}}
+{{- define "turbowire.directoryUrl" -}}
+{{- default (include "turbowire.storeUrl" .) (index .Values.turbowire.extraConfig "directory_url") -}}
 {{- end -}}
 
 {{/*
 The --kv-transfer-config of one engine role ("prefill" or "decode"), as JSON. The connector
 validates every key of kv_connector_extra_config at start (connector/config.py); the chart renders
 only keys it knows: the preset, the side-channel port, the advertised host (the pod IP, expanded by
-the kubelet from $(POD_IP)) and turbowire.extraConfig. turbowire.transport is not a connector key
-(only NIXL exists today) and is not rendered.
+the kubelet from $(POD_IP)), with transport store/both the store keys (transport, store_url,
+store_namespace and the turbowire.store values that are set), and turbowire.extraConfig. The keys
+the chart sets are refused in extraConfig (generate.py RESERVED_KEYS names the same), so no value
+silently overrides another. With transport nixl no transport or store key is rendered (the
+connector's default is nixl).
 */}}
 {{- define "turbowire.kvTransferConfig" -}}
 {{- $root := index . 0 -}}
 {{- $role := index . 1 -}}
 {{- $v := $root.Values -}}
-{{- $reserved := list "preset" "side_channel_port" "side_channel_host" "auth_token" "transport" -}}
+{{- $reserved := dict "preset" "turbowire.preset" "side_channel_port" "turbowire.sideChannelPort" "side_channel_host" "the pod IP (set by the chart)" "auth_token" "turbowire.authToken" "transport" "turbowire.transport" "store_url" "redis.enabled or redis.url" "store_namespace" "turbowire.store.namespace" "store_local_cpu_bytes" "turbowire.store.localCpuBytes" "store_local_disk" "turbowire.store.localDisk" "store_ttl_seconds" "turbowire.store.ttlSeconds" "store_chunk_tokens" "turbowire.store.chunkTokens" -}}
 {{- range $k, $_ := $v.turbowire.extraConfig -}}
-{{- if has $k $reserved -}}
-{{- fail (printf "turbowire.extraConfig.%s: set it through its own value (turbowire.preset, turbowire.sideChannelPort, turbowire.authToken), not extraConfig" $k) -}}
+{{- if hasKey $reserved $k -}}
+{{- fail (printf "turbowire.extraConfig.%s: set it through its own value (%s), not extraConfig" $k (index $reserved $k)) -}}
 {{- end -}}
 {{- end -}}
 {{- $extra := dict "preset" $v.turbowire.preset "side_channel_port" (int $v.turbowire.sideChannelPort) "side_channel_host" "$(POD_IP)" -}}
+{{- if include "turbowire.usesStore" $root -}}
+{{- if eq (toString (index $v.turbowire.extraConfig "load_failure_policy")) "fail" -}}
+{{- fail (printf "turbowire.extraConfig.load_failure_policy=fail cannot be used with turbowire.transport=%s: a store miss recomputes, it never fails the request (use recompute, or leave it unset)" $v.turbowire.transport) -}}
+{{- end -}}
+{{- $store := $v.turbowire.store | default dict -}}
+{{- $_ := set $extra "transport" $v.turbowire.transport -}}
+{{- $_ = set $extra "store_url" (include "turbowire.storeUrl" $root) -}}
+{{- $_ = set $extra "store_namespace" (include "turbowire.storeNamespace" $root) -}}
+{{- if not (kindIs "invalid" $store.localCpuBytes) -}}
+{{- $_ = set $extra "store_local_cpu_bytes" (ternary $store.localCpuBytes (int64 $store.localCpuBytes) (kindIs "string" $store.localCpuBytes)) -}}
+{{- end -}}
+{{- with $store.localDisk -}}
+{{- $_ = set $extra "store_local_disk" . -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $store.ttlSeconds) -}}
+{{- $_ = set $extra "store_ttl_seconds" $store.ttlSeconds -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $store.chunkTokens) -}}
+{{- $_ = set $extra "store_chunk_tokens" (int64 $store.chunkTokens) -}}
+{{- end -}}
+{{- end -}}
 {{- $extra = merge $extra (deepCopy $v.turbowire.extraConfig) -}}
 {{- $kvRole := ternary "kv_producer" "kv_consumer" (eq $role "prefill") -}}
 {{- dict "kv_connector" "TurboWireConnector" "kv_connector_module_path" "turbowire.connector" "kv_role" $kvRole "kv_connector_extra_config" $extra | toJson -}}
