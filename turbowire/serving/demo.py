@@ -8,6 +8,12 @@ table per request, and shuts everything down (process groups) even on Ctrl-C.
 Per request: prompt tokens (prefill engine), dense and wire bytes and transfer time (deltas of
 the decode engine's own ``turbowire_kv_*`` Prometheus series), TTFT (client side, through the
 proxy: prefill + KV transfer + first decode step).
+
+Second act (the store path; engines run ``transport: both`` with a loopback redis-server): one
+long document is asked on engine A, which computes it and stores its compressed chunks in Redis;
+the same request on engine B (another process) loads them instead of computing; the proxy,
+asking the Redis directory, then sends the same request straight to a decode engine, skipping
+prefill. It reports both TTFTs, the tokens loaded and the bytes Redis holds.
 """
 
 from __future__ import annotations
@@ -70,12 +76,42 @@ class DemoResult:
         return self.dense_bytes / self.wire_bytes if self.wire_bytes else None
 
 
+STORE_DOCUMENT = (
+    "Answer from the document below.\n\n" + LONG_TEXT * 14
+    + "\n\nQuestion: what limits the decode phase?"
+)
+STORE_NAMESPACE = "demo"
+
+
+@dataclass
+class StoreAct:
+    """The second act: one document, computed on engine A, loaded from the store on engine B."""
+
+    prompt_tokens: int
+    cold_ttft_ms: float  # engine A computes the prompt
+    hit_ttft_ms: float  # engine B loads the stored chunks
+    loaded_tokens: int
+    loaded_dense_bytes: float
+    loaded_store_bytes: float
+    redis_chunks: int
+    redis_bytes: int
+    proxy_route: str
+    proxy_ttft_ms: float
+    completion_a: str
+    completion_b: str
+
+    @property
+    def saved_ms(self) -> float:
+        return self.cold_ttft_ms - self.hit_ttft_ms
+
+
 @dataclass
 class DemoRun:
     preset: str
     results: list[DemoResult] = field(default_factory=list)
     startup_seconds: float = 0.0
     warmup_ms: float = 0.0
+    store: StoreAct | None = None
 
 
 _SAMPLE_RE = re.compile(r'^(turbowire_kv_[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$')
@@ -97,9 +133,11 @@ def scrape_turbowire(url: str) -> dict[str, float]:
 
 
 def stream_chat(
-    proxy_url: str, prompt: str, max_tokens: int, request_id: str
+    proxy_url: str, prompt: str, max_tokens: int, request_id: str,
+    headers_out: dict[str, str] | None = None,
 ) -> tuple[str, float, float]:
-    """(completion, ttft seconds, total seconds) of one streamed chat request via the proxy."""
+    """(completion, ttft seconds, total seconds) of one streamed chat request (via the proxy or
+    straight to an engine); the response headers go to ``headers_out``."""
     import json
 
     body = {
@@ -117,6 +155,8 @@ def stream_chat(
         headers={"X-Request-Id": request_id},
     ) as resp:
         resp.raise_for_status()
+        if headers_out is not None:
+            headers_out.update(resp.headers)
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -130,6 +170,78 @@ def stream_chat(
                 parts.append(delta)
     total = time.perf_counter() - t0
     return "".join(parts), ttft if ttft is not None else total, total
+
+
+def scrape_store(url: str) -> dict[str, float]:
+    """An engine's store-path series (hits, bytes loaded), summed by name and result."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'^(turbowire_[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$', line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        if name.startswith("turbowire_store_lookup") and 'result="hit"' in labels:
+            totals[name] = totals.get(name, 0.0) + float(value)
+        elif name == "turbowire_kv_dense_bytes_total" and 'transport="store"' in labels:
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def _wait_stored(directory_url: str, minimum: int, timeout: float = 20.0) -> tuple[int, int]:
+    """(chunks, bytes) in the directory once it lists at least ``minimum`` chunks and stops
+    growing (engine A's writes run in the background)."""
+    from turbowire.store.directory import Directory
+
+    directory = Directory(directory_url, ttl_seconds=3600)
+    try:
+        deadline = time.monotonic() + timeout
+        last = (-1, -1)
+        while True:
+            usage = directory.usage(STORE_NAMESPACE)
+            if (usage[0] >= minimum and usage == last) or time.monotonic() > deadline:
+                return usage
+            last = usage
+            time.sleep(0.3)
+    finally:
+        directory.close()
+
+
+def run_store_act(a_url: str, b_url: str, proxy_url: str, directory_url: str,
+                  max_tokens: int) -> StoreAct:
+    """Ask one long document on A (cold), then on B (store hit), then through the proxy."""
+    rid = uuid.uuid4().hex[:8]
+    before_chunks, _ = _wait_stored(directory_url, 0, timeout=0.5)
+    text_a, cold, _ = stream_chat(a_url, STORE_DOCUMENT, max_tokens, f"store-a-{rid}")
+    tokens = httpx.post(a_url + "/tokenize", timeout=30, json={
+        "model": "demo", "messages": [{"role": "user", "content": STORE_DOCUMENT}],
+        "add_generation_prompt": True}).json().get("count", 0)
+    chunks, nbytes = _wait_stored(directory_url, before_chunks + 1)
+    before = scrape_store(b_url)
+    text_b, hit, _ = stream_chat(b_url, STORE_DOCUMENT, max_tokens, f"store-b-{rid}")
+    deadline = time.monotonic() + 5
+    after = scrape_store(b_url)
+    while after == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = scrape_store(b_url)
+    headers: dict[str, str] = {}
+    _, proxy_ttft, _ = stream_chat(proxy_url, STORE_DOCUMENT, max_tokens, f"store-x-{rid}",
+                                   headers_out=headers)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    from turbowire.store.keys import DEFAULT_CHUNK_TOKENS
+
+    return StoreAct(
+        prompt_tokens=int(tokens), cold_ttft_ms=cold * 1e3, hit_ttft_ms=hit * 1e3,
+        loaded_tokens=int(delta("turbowire_store_lookups_total")) * DEFAULT_CHUNK_TOKENS,
+        loaded_dense_bytes=delta("turbowire_kv_dense_bytes_total"),
+        loaded_store_bytes=delta("turbowire_store_lookup_bytes_total"),
+        redis_chunks=chunks, redis_bytes=nbytes,
+        proxy_route=headers.get("x-turbowire-route", "?"), proxy_ttft_ms=proxy_ttft * 1e3,
+        completion_a=text_a, completion_b=text_b,
+    )
 
 
 def _wait_counter(url: str, name: str, before: float, timeout: float = 5.0) -> dict[str, float]:
@@ -151,11 +263,35 @@ def run_demo(
     log_dir: Path,
     on_progress: Callable[[str], None] = lambda msg: None,
     startup_timeout: float = 600.0,
+    store: bool = True,
 ) -> DemoRun:
-    """Start engines + proxy, run the prompts, stop everything; returns the measurements."""
+    """Start Redis (``store``), engines + proxy, run the prompts (and the store act), stop
+    everything; returns the measurements."""
     run = DemoRun(preset)
+    if store:
+        from turbowire.serving.redis_server import RedisServer
+
+        with RedisServer() as redis:
+            on_progress(f"redis-server on {redis.url} (store and directory)")
+            return _run_demo(run, model, preset, prompts, max_tokens, log_dir, on_progress,
+                             startup_timeout, redis.url)
+    return _run_demo(run, model, preset, prompts, max_tokens, log_dir, on_progress,
+                     startup_timeout, None)
+
+
+def _run_demo(
+    run: DemoRun, model: Path, preset: str, prompts: Sequence[str], max_tokens: int,
+    log_dir: Path, on_progress: Callable[[str], None], startup_timeout: float,
+    store_url: str | None,
+) -> DemoRun:
     p_port, d_port, x_port = free_port(), free_port(), free_port()
     side_p, side_d = free_port(), free_port()
+    store_cfg: dict[str, object] = {}
+    proxy_args: list[str] = []
+    if store_url:
+        store_cfg = dict(transport="both", store_url=store_url, store_namespace=STORE_NAMESPACE,
+                         store_local_cpu_bytes="256MiB")
+        proxy_args = ["--directory", store_url, "--store-namespace", STORE_NAMESPACE]
     common = dict(
         kvcache_gib=1, block_size=32, max_model_len=4096, max_num_seqs=4,
         max_num_batched_tokens=2048, served_model_name="demo",
@@ -163,14 +299,16 @@ def run_demo(
     p_spec = EngineSpec(
         "prefill", model, p_port, cpu=0,
         kv_transfer_config=turbowire_kv_config(
-            "kv_both", preset=preset, side_channel_port=side_p, staging_bytes="64MiB"
+            "kv_both", preset=preset, side_channel_port=side_p, staging_bytes="64MiB",
+            **store_cfg,
         ),
         **common,
     )
     d_spec = EngineSpec(
         "decode", model, d_port, cpu=1,
         kv_transfer_config=turbowire_kv_config(
-            "kv_both", preset=preset, side_channel_port=side_d, staging_bytes="64MiB"
+            "kv_both", preset=preset, side_channel_port=side_d, staging_bytes="64MiB",
+            **store_cfg,
         ),
         **common,
     )
@@ -181,7 +319,7 @@ def run_demo(
         d = group.add(start_engine(d_spec, log_dir))
         p.wait_healthy(startup_timeout)
         d.wait_healthy(startup_timeout)
-        x = group.add(start_proxy([p.url], [d.url], x_port, log_dir))
+        x = group.add(start_proxy([p.url], [d.url], x_port, log_dir, proxy_args))
         x.wait_healthy(60)
         run.startup_seconds = time.monotonic() - t0
         on_progress(f"engines and proxy up in {run.startup_seconds:.0f} s; warming up NIXL")
@@ -220,5 +358,8 @@ def run_demo(
             on_progress(
                 f"request {i + 1}/{len(prompts)} done ({result.prompt_tokens} prompt tokens)"
             )
+        if store_url:
+            on_progress("second act: one long document on engine A, then on engine B (store)")
+            run.store = run_store_act(p.url, d.url, x.url, store_url, max_tokens)
         on_progress("shutting down engines and proxy")
     return run
