@@ -532,9 +532,10 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "{key}={value!r} is not supported: use redis://HOST:PORT (or rediss://)"),),
             nullable=True,
         ),
-        "Where the store's bytes live, shared by engines: an LMCache remote URL, "
-        "`redis://HOST:PORT[/DB]`. Unset: only this engine's local tiers. With only `store_url` "
-        "set, the directory lives in the same Redis.",
+        "Where the store's bytes live, shared by engines: `redis://HOST:PORT[/DB]` (or "
+        "`rediss://`), reached through LMCache's remote backend with turbowire's Redis plugin. "
+        "Unset: only this engine's local tiers. With only `store_url` set, the directory lives "
+        "in the same Redis.",
     ),
     ConfigKey(
         "directory_url",
@@ -558,8 +559,9 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey(
         "store_local_disk",
         Text("a directory path", ((bool, "{key} must be a directory path"),), nullable=True),
-        "LMCache local disk tier (a directory); unset = off. LMCache keeps the disk index in "
-        "memory: files of an earlier run are not found again after a restart.",
+        "LMCache local disk tier (a directory, one per engine); unset = off. LMCache keeps its "
+        "disk index in memory only; turbowire rebuilds it from the files at start, so chunks "
+        "survive an engine restart.",
     ),
     ConfigKey(
         "store_ttl_seconds",

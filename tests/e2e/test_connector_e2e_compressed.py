@@ -22,12 +22,35 @@ DENSE_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, engine_slot, tmp_path_factory):
-    group, st = start_stack(
-        tiny_model, PRESET, tmp_path_factory.mktemp("logs-tq"), staging_bytes_for(PRESET, 64),
-        extra={"load_failure_policy": "recompute"},
-    )
-    yield st
-    group.stop()
+    """The P/D pair runs ``transport: both`` (the NIXL hand-off, and every computed chunk also
+    stored in a real redis-server): the P/D assertions below must hold with the store on."""
+    from support.redis_server import RedisServer
+
+    with RedisServer() as redis:
+        group, st = start_stack(
+            tiny_model, PRESET, tmp_path_factory.mktemp("logs-tq"), staging_bytes_for(PRESET, 64),
+            extra={"load_failure_policy": "recompute", "transport": "both",
+                   "store_url": redis.url, "store_namespace": "pd-both"},
+        )
+        st.redis = redis
+        yield st
+        group.stop()
+
+
+def test_both_transports_store_what_the_prefill_engine_computed(stack):
+    """With ``both``, the prefill engine also stores the full chunks of what it computed."""
+    from turbowire.store.directory import Directory
+
+    prompt = prompt_ids(6100, 2 * 256 + 17)
+    pd(stack, prompt, max_tokens=2)
+    directory = Directory(stack.redis.url, ttl_seconds=3600)
+    try:
+        deadline = time.monotonic() + 20
+        while directory.usage("pd-both")[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert directory.usage("pd-both")[0] >= 2
+    finally:
+        directory.close()
 
 
 def expected_wire_bytes(n: int) -> int:
