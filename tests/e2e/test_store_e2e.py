@@ -275,3 +275,29 @@ def test_redis_killed_and_restarted_during_traffic(pair):
     assert load["source"] == "store" and load["tokens"] == 2 * CHUNK
     if pair.preset == "raw":
         assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+
+
+def test_proxy_routes_stored_prompts_past_prefill(pair, tmp_path):
+    """The real proxy with ``--directory``: a new prompt goes through P/D (the prefill engine
+    computes and stores it, the decode engine loads it from the store); the same prompt again is
+    a store hit, sent straight to the decode engine."""
+    from turbowire.serving.launch import start_proxy
+
+    proxy = start_proxy([pair.a.url], [pair.b.url], free_port(), tmp_path,
+                        ["--directory", pair.redis.url, "--store-namespace", NAMESPACE,
+                         "--store-ttl-seconds", "600"])
+    try:
+        proxy.wait_healthy(120)
+        prompt = prompt_ids(9800, 2 * CHUNK + 10)
+        routes = []
+        for _ in range(2):
+            r = httpx.post(proxy.url + "/v1/completions", timeout=300, json={
+                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            routes.append(r.headers.get("x-turbowire-route"))
+            if len(routes) == 1:
+                assert pair.wait_stored(prompt, 2) == 2
+        assert routes[0] in ("pd_miss", "pd_no_scope"), routes
+        assert routes[1] == "store_hit", routes
+    finally:
+        proxy.stop()
