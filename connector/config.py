@@ -359,6 +359,14 @@ def default_advertise_host() -> str:
     return "127.0.0.1"
 
 
+REDIS_URL = Text(
+    "a redis:// or rediss:// URL",
+    ((lambda s: s.startswith(STORE_URL_SCHEMES) and len(s) > len("redis://"),
+      "{key}={value!r} is not supported: use redis://HOST:PORT (or rediss://)"),),
+    nullable=True,
+)
+
+
 def _auth_token_from_env(values: Mapping[str, Any], env: Mapping[str, str]) -> str | None:
     return env.get(values["auth_token_env"]) or None
 
@@ -526,12 +534,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ),
     ConfigKey(
         "store_url",
-        Text(
-            "a redis:// or rediss:// URL",
-            ((lambda s: s.startswith(STORE_URL_SCHEMES) and len(s) > len("redis://"),
-              "{key}={value!r} is not supported: use redis://HOST:PORT (or rediss://)"),),
-            nullable=True,
-        ),
+        REDIS_URL,
         "Where the store's bytes live, shared by engines: `redis://HOST:PORT[/DB]` (or "
         "`rediss://`), reached through LMCache's remote backend with turbowire's Redis plugin. "
         "Unset: only this engine's local tiers. With only `store_url` set, the directory lives "
@@ -539,12 +542,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ),
     ConfigKey(
         "directory_url",
-        Text(
-            "a redis:// or rediss:// URL",
-            ((lambda s: s.startswith(STORE_URL_SCHEMES) and len(s) > len("redis://"),
-              "{key}={value!r} is not supported: use redis://HOST:PORT (or rediss://)"),),
-            nullable=True,
-        ),
+        REDIS_URL,
         "The chunk directory and engine registry (Redis): which chunks are stored, which engines "
         "serve them. The scheduler answers lookups from it without reading the bytes.",
         default_doc="= `store_url`",

@@ -84,17 +84,21 @@ class PDStack:
         return r.json()
 
     def metrics(self, url: str) -> dict[str, float]:
-        """Sum of every sample by ``name{labels}`` line (labels kept) of one engine."""
-        out: dict[str, float] = {}
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            key, _, value = line.rpartition(" ")
-            try:
-                out[key] = float(value)
-            except ValueError:
-                continue
-        return out
+        return scrape_metrics(url)
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Every sample of one engine's /metrics by its ``name{labels}`` line (labels kept)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
 
 
 def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:

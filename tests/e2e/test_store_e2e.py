@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 import redis as redis_py
-from conftest import BLOCK_SIZE, MODEL_NAME, metric_sum
+from conftest import BLOCK_SIZE, MODEL_NAME, metric_sum, scrape_metrics
 from support.redis_server import RedisServer
 from test_connector_e2e_raw import prompt_ids
 
@@ -47,15 +47,7 @@ class StorePair:
         return r.json()
 
     def metrics(self, url: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                try:
-                    out[key] = float(value)
-                except ValueError:
-                    pass
-        return out
+        return scrape_metrics(url)
 
     def wait_stored(self, prompt: list[int], chunks: int, timeout: float = 20.0) -> int:
         """Wait until the directory lists ``chunks`` leading chunks of ``prompt``."""

@@ -32,22 +32,6 @@ def hashes(n: int) -> list[bytes]:
     return [os.urandom(16) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def redis_srv() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def rds(redis_srv: RedisServer) -> Iterator[redis.Redis]:
-    if not redis_srv.running:
-        redis_srv.start()
-    client = redis.Redis.from_url(redis_srv.url)
-    client.flushall()
-    yield client
-    client.close()
-
-
 @pytest.fixture
 def directory(redis_srv: RedisServer, rds: redis.Redis) -> Iterator[Directory]:
     d = Directory(redis_srv.url, ttl_seconds=30.0)
