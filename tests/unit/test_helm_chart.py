@@ -1,12 +1,15 @@
 """The Helm chart (helm/turbowire): rendered by the real Helm engine (helm-python-sdk wraps Helm's
-Go SDK), linted, every object validated against the Kubernetes 1.31 schemas, the schema refusing
+Go SDK), linted, every object validated against the Kubernetes 1.31 schemas (ServiceMonitor,
+PodMonitor and PrometheusRule against prometheus-operator's published CRDs), the schema refusing
 bad values, and every engine's --kv-transfer-config accepted by the connector's own parser; the
 store path (transport store/both) with the chart's Redis and with an external one."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -194,7 +198,7 @@ def test_every_object_validates_for_kubernetes_131(rendered, case: str) -> None:
     assert docs
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
-            continue  # no offline schema for prometheus-operator CRDs: checked structurally below
+            continue  # prometheus-operator CRDs: validated against their own schemas below
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
@@ -543,6 +547,293 @@ def test_monitoring_objects(rendered, case: str) -> None:
             REPO / "deploy/grafana/turbowire.json"
         ).read_text().rstrip("\n")
         assert json.loads(cm["data"]["turbowire.json"])["uid"] == "turbowire-kv"
+
+
+# -- prometheus-operator CRDs ----------------------------------------------------------------------
+
+#: prometheus-operator's published CRDs, vendored unchanged (see the README.md next to them)
+CRD_DIR = REPO / "tests" / "data" / "prometheus-operator-crds"
+CRD_FILES = {
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
+CRD_VERSION = "v1"
+
+
+def python_pattern(pattern: str) -> str:
+    """A Go (RE2) pattern for Python's re: RE2 takes a flag group such as ``(?i)`` anywhere, Python
+    only at the start, so a later one scopes the rest: ``^(?i)(a|b)$`` -> ``^(?i:(a|b)$)`` (right
+    for a top-level flag group, the only kind in the CRDs; check_schema compiles every pattern)."""
+    match = re.search(r"\(\?([ims]+)\)", pattern)
+    if match is None or match.start() == 0:
+        return pattern
+    rest = python_pattern(pattern[match.end() :])
+    return f"{pattern[: match.start()]}(?{match.group(1)}:{rest})"
+
+
+def api_server_schema(schema: dict[str, Any], *, structural: bool = True) -> dict[str, Any]:
+    """A CRD's OpenAPI v3 schema as a JSON Schema (draft 4) that refuses what the API server would.
+
+    - ``x-kubernetes-*`` keys are dropped, except ``x-kubernetes-list-type`` (and its
+      ``x-kubernetes-list-map-keys``): ``set`` and ``map`` lists refuse duplicates, as the API
+      server does (checked by ``_list_type``). ``x-kubernetes-int-or-string`` accepts an integer
+      or a string (the CRDs already say so with ``anyOf``; added where they do not).
+    - Unknown fields are refused: Kubernetes prunes every field a structural schema does not list
+      (a typo silently loses the setting; under ``fieldValidation=Strict``, kubectl's default, the
+      request is refused). Emulated, recursively, with ``additionalProperties: false`` wherever the
+      schema lists ``properties``, has no ``additionalProperties`` of its own and no
+      ``x-kubernetes-preserve-unknown-fields: true``. Not inside ``anyOf``/``allOf``/``oneOf``/
+      ``not``: their branches are value validations that may list a subset of the properties.
+    - ``pattern`` is Go's RE2: a ``(?i)`` after the start is scoped for Python (``python_pattern``).
+    - ``nullable: true`` admits null; otherwise null is refused (the API server would drop a null
+      of a non-nullable field: a rendered null is a template bug either way).
+    - Not emulated: defaulting (validation sees the object as rendered), CEL rules
+      (``x-kubernetes-validations``; the vendored CRDs have none), and Go's ``format`` checks
+      beyond what jsonschema's format checker knows. ``metadata`` (``type: object`` in every CRD)
+      is validated as an ObjectMeta by ``crd_errors``.
+    """
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "properties":
+            out[key] = {name: api_server_schema(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = api_server_schema(value)
+        elif key in ("anyOf", "allOf", "oneOf"):
+            out[key] = [api_server_schema(sub, structural=False) for sub in value]
+        elif key == "not":
+            out[key] = api_server_schema(value, structural=False)
+        elif key in ("x-kubernetes-list-type", "x-kubernetes-list-map-keys"):
+            out[key] = value
+        elif key == "pattern":
+            out[key] = python_pattern(value)
+        elif key.startswith("x-kubernetes-") or key == "nullable":
+            continue
+        else:
+            out[key] = value
+    if schema.get("x-kubernetes-int-or-string") and "anyOf" not in schema:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if schema.get("nullable") and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    if (
+        structural
+        and "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _list_type(validator, list_type: str, instance: Any, schema: dict[str, Any]):
+    """``x-kubernetes-list-type``: a ``set`` has unique items, a ``map`` unique map keys."""
+    if not validator.is_type(instance, "array"):
+        return
+    keys = schema.get("x-kubernetes-list-map-keys", [])
+    seen: set[str] = set()
+    for index, item in enumerate(instance):
+        if list_type == "set":
+            ident = json.dumps(item, sort_keys=True)
+        elif list_type == "map" and isinstance(item, dict):
+            ident = json.dumps({k: item.get(k) for k in keys}, sort_keys=True)
+        else:
+            continue
+        if ident in seen:
+            yield jsonschema.ValidationError(
+                f"duplicate entry {ident} in a list of type {list_type!r}", path=[index]
+            )
+        seen.add(ident)
+
+
+CRDValidator = jsonschema.validators.extend(
+    jsonschema.Draft4Validator, {"x-kubernetes-list-type": _list_type}
+)
+
+
+@pytest.fixture(scope="module")
+def crds() -> dict[str, dict[str, Any]]:
+    """kind -> the published CRD, and its v1 schema as ``api_server_schema`` turns it."""
+    out = {}
+    for kind, name in CRD_FILES.items():
+        crd = yaml.safe_load((CRD_DIR / name).read_text())
+        (version,) = [v for v in crd["spec"]["versions"] if v["name"] == CRD_VERSION]
+        assert version["served"] and version["storage"], name
+        schema = api_server_schema(version["schema"]["openAPIV3Schema"])
+        CRDValidator.check_schema(schema)
+        out[kind] = {
+            "crd": crd,
+            "validator": CRDValidator(schema, format_checker=CRDValidator.FORMAT_CHECKER),
+        }
+    return out
+
+
+def crd_errors(crds: dict[str, dict[str, Any]], doc: dict[str, Any]) -> list[str]:
+    """Every reason the API server, with the published CRD installed, would refuse ``doc``."""
+    entry = crds.get(doc.get("kind"))
+    if entry is None:
+        return [f"kind {doc.get('kind')!r}: no CRD among {sorted(crds)}"]
+    crd, validator = entry["crd"], entry["validator"]
+    errors = []
+    want = f"{crd['spec']['group']}/{CRD_VERSION}"
+    if doc.get("apiVersion") != want:
+        errors.append(f"apiVersion: {doc.get('apiVersion')!r}, the CRD serves {want!r}")
+    if doc.get("kind") != crd["spec"]["names"]["kind"]:
+        errors.append(f"kind: {doc.get('kind')!r}, the CRD's is {crd['spec']['names']['kind']!r}")
+    if crd["spec"]["scope"] == "Namespaced" and not (doc.get("metadata") or {}).get("namespace"):
+        errors.append("metadata.namespace: missing, the CRD is namespaced")
+    for error in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path))):
+        path = ".".join(map(str, error.absolute_path)) or "<root>"
+        errors.append(f"{path}: {error.message}")
+    # metadata is `type: object` in the CRD: the API server validates it as an ObjectMeta
+    meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc.get("metadata")}
+    try:
+        kubernetes_validate.validate(meta, KUBE_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        path = ".".join(map(str, error.absolute_path))
+        errors.append(f"{path}: {error.message}")
+    return errors
+
+
+def test_every_crd_kind_is_rendered_and_validated(rendered) -> None:
+    """Some case renders each prometheus-operator kind (all-on: all of them), so the test below
+    validates each against its CRD; and every CRD kind the chart renders has a vendored CRD."""
+    kinds = {d["kind"] for docs in rendered.values() for d in docs if d["kind"] in CRD_KINDS}
+    assert kinds == CRD_KINDS == set(CRD_FILES)
+    assert {d["kind"] for d in rendered["all-on"]} >= CRD_KINDS
+    for docs in rendered.values():
+        assert all(
+            d["apiVersion"] != "monitoring.coreos.com/v1" or d["kind"] in CRD_KINDS for d in docs
+        )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prometheus_operator_objects_match_the_published_crds(rendered, crds, case: str) -> None:
+    """Each ServiceMonitor, PodMonitor and PrometheusRule the case renders is one the API server
+    accepts with prometheus-operator's CRDs installed (see ``api_server_schema``)."""
+    for doc in rendered[case]:
+        if doc["kind"] in CRD_KINDS:
+            errors = crd_errors(crds, doc)
+            assert not errors, (doc["kind"], doc["metadata"]["name"], errors)
+
+
+_DROP = object()
+
+
+def _edit(doc: dict[str, Any], path: str, value: Any) -> None:
+    """Sets the field at a dotted path (list indexes are numbers) to value, or to value(field)
+    where value is callable; deletes it where value is _DROP."""
+    *parents, last = path.split(".")
+    node: Any = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    key: Any = int(last) if isinstance(node, list) else last
+    if value is _DROP:
+        del node[key]
+    elif callable(value):
+        node[key] = value(node[key])
+    else:
+        node[key] = value
+
+
+#: (id, kind, edits to the all-on object, an error each must produce (path: message fragment))
+CRD_BAD: list[tuple[str, str, list[tuple[str, Any]], list[str]]] = [
+    (
+        "servicemonitor-spec.endpoint",
+        "ServiceMonitor",
+        [("spec.endpoint", [{"port": "http"}]), ("spec.endpoints", _DROP)],
+        ["spec: Additional properties are not allowed ('endpoint' was unexpected)",
+         "spec: 'endpoints' is a required property"],
+    ),
+    (
+        "servicemonitor-interval-30",
+        "ServiceMonitor",
+        [("spec.endpoints.0.interval", 30)],
+        ["spec.endpoints.0.interval: 30 is not of type 'string'"],
+    ),
+    (
+        "servicemonitor-interval-pattern",
+        "ServiceMonitor",
+        [("spec.endpoints.0.interval", "half a minute")],
+        ["spec.endpoints.0.interval: 'half a minute' does not match"],
+    ),
+    (
+        "servicemonitor-nested-typo",
+        "ServiceMonitor",
+        [("spec.endpoints.0.scrapeTimout", "10s")],
+        ["spec.endpoints.0: Additional properties are not allowed ('scrapeTimout' was unexpected)"],
+    ),
+    (
+        "servicemonitor-apiversion",
+        "ServiceMonitor",
+        [("apiVersion", "monitoring.coreos.com/v1alpha1")],
+        ["apiVersion: 'monitoring.coreos.com/v1alpha1', the CRD serves 'monitoring.coreos.com/v1'"],
+    ),
+    (
+        "servicemonitor-null",
+        "ServiceMonitor",
+        [("spec.endpoints.0.path", None)],
+        ["spec.endpoints.0.path: None is not of type 'string'"],
+    ),
+    (
+        "servicemonitor-label-not-a-string",
+        "ServiceMonitor",
+        [("metadata.labels.release", 1)],
+        ["metadata.labels.release: 1 is not of type 'string'"],
+    ),
+    (
+        "podmonitor-endpoint-typo",
+        "PodMonitor",
+        [("spec.podMetricsEndpoints.0.prot", "http")],
+        ["spec.podMetricsEndpoints.0: Additional properties are not allowed ('prot' was"],
+    ),
+    (
+        "podmonitor-no-selector",
+        "PodMonitor",
+        [("spec.selector", _DROP)],
+        ["spec: 'selector' is a required property"],
+    ),
+    (
+        "prometheusrule-rule-without-expr",
+        "PrometheusRule",
+        [("spec.groups.0.rules.0.expr", _DROP)],
+        ["spec.groups.0.rules.0: 'expr' is a required property"],
+    ),
+    (
+        "prometheusrule-expr-a-list",
+        "PrometheusRule",
+        [("spec.groups.0.rules.0.expr", ["up"])],
+        ["spec.groups.0.rules.0.expr: ['up'] is not valid under any of the given schemas"],
+    ),
+    (
+        "prometheusrule-duplicate-group",
+        "PrometheusRule",
+        [("spec.groups", lambda g: [g[0], copy.deepcopy(g[0]), *g[1:]])],
+        ["spec.groups.1: duplicate entry {\"name\": "],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "edits", "wanted"), [c[1:] for c in CRD_BAD],
+                         ids=[c[0] for c in CRD_BAD])  # fmt: skip
+def test_crd_validation_refuses_bad_objects(
+    rendered, crds, kind: str, edits: list[tuple[str, Any]], wanted: list[str]
+) -> None:
+    """The validator can fail: misspelled fields, wrong types, a rule without expr are refused."""
+    (doc,) = copy.deepcopy(of_kind(rendered["all-on"], kind))
+    assert crd_errors(crds, doc) == []
+    for path, value in edits:
+        _edit(doc, path, value)
+    errors = crd_errors(crds, doc)
+    for want in wanted:
+        assert any(e.startswith(want) for e in errors), (want, errors)
+
+
+def test_crd_int_or_string_accepts_both(rendered, crds) -> None:
+    """x-kubernetes-int-or-string (a rule's expr) takes an integer as well as a string."""
+    (doc,) = copy.deepcopy(of_kind(rendered["all-on"], "PrometheusRule"))
+    for expr in (1, "vector(1)"):
+        _edit(doc, "spec.groups.0.rules.0.expr", expr)
+        assert crd_errors(crds, doc) == [], expr
 
 
 # -- the schema refuses bad values -----------------------------------------------------------------
