@@ -260,7 +260,6 @@ class StorePlanner:
         now = time.monotonic()
         if now - self._last_register < REGISTER_PERIOD_S:
             return
-        self._last_register = now
         from turbowire.store.directory import EngineEntry
 
         entry = EngineEntry(
@@ -270,7 +269,11 @@ class StorePlanner:
         try:
             self.directory.register_engine(entry, ttl_seconds=3 * REGISTER_PERIOD_S)
         except TurboWireError as exc:
+            # retried on the next maintenance tick (the directory's breaker keeps it cheap), so
+            # the entry is back within seconds of Redis returning
             logger.debug("store directory registration failed: %s", exc)
+            return
+        self._last_register = now
 
     def close(self) -> None:
         if self.directory is not None:

@@ -70,6 +70,7 @@ ROUTES = (
     "pd_unsupported_prompt", "pd_tokenize_error", "pd_directory_error",
 )  # fmt: skip
 SCOPE_REFRESH_SECONDS = 10.0
+EMPTY_REGISTRY_REFRESH_SECONDS = 1.0
 TOKENIZE_TIMEOUT_SECONDS = 5.0
 #: connector.config.DEFAULT_STORE_TTL_SECONDS (not imported: the proxy does not load the connector)
 DIRECTORY_TTL_SECONDS = 3600.0
@@ -304,10 +305,14 @@ class StoreRouter:
             logger.warning(msg, *args)
 
     def _fresh(self) -> bool:
-        return (
-            self._scopes is not None
-            and time.monotonic() - self._scopes_at < self.refresh_seconds
-        )
+        """A registry read is reused for ``refresh_seconds``; an empty one only briefly, so the
+        first engine that registers (or re-registers after a Redis restart) is seen at once."""
+        if self._scopes is None:
+            return False
+        age = time.monotonic() - self._scopes_at
+        if self._scopes:
+            return age < self.refresh_seconds
+        return age < min(self.refresh_seconds, EMPTY_REGISTRY_REFRESH_SECONDS)
 
     async def _registered(self) -> list[tuple[str | None, StoreScope]]:
         """The registered store consumers, re-read when older than ``refresh_seconds``.

@@ -392,3 +392,29 @@ def test_a_failed_load_is_not_offered_again():
     assert p.lookup(req2, 0) == CHUNK
     p.after_alloc(req2, alloc(range(2 * CHUNK // BS + 1)), CHUNK)
     assert p.lookup(req2, 0) == 0, "no third load"
+
+
+def test_registration_is_retried_at_once_after_a_failure():
+    """Redis restarted (empty): the engine's registry entry must be back within a maintenance
+    tick, not a whole registration period later."""
+    class Registry(FakeDirectory):
+        calls: int = 0
+
+        def register_engine(self, entry, ttl_seconds) -> None:
+            self.calls += 1
+            if self.down:
+                raise DirectoryUnavailable("redis is down")
+
+    @dataclass
+    class Record:
+        model: str = "tiny"
+
+    directory = Registry(down=True)
+    p, _ = planner(directory)
+    record = Record()
+    p.maintain("kv_both", "127.0.0.1:5700", record)
+    directory.down = False
+    p.maintain("kv_both", "127.0.0.1:5700", record)
+    assert directory.calls == 2
+    p.maintain("kv_both", "127.0.0.1:5700", record)
+    assert directory.calls == 2, "after a success, once per period"

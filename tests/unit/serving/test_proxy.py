@@ -496,3 +496,24 @@ def test_tokenize_request_shapes():
 def test_bad_directory_url():
     with pytest.raises(ProxyConfigError, match="--directory"):
         build_app(P_URLS, D_URLS, directory_url="http://redis:6379")
+
+
+def test_an_empty_registry_is_read_again_soon(monkeypatch):
+    """No store engine registered yet (or Redis just restarted, empty): the next engine that
+    registers is seen within EMPTY_REGISTRY_REFRESH_SECONDS, not the full refresh period."""
+    import turbowire.serving.proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "EMPTY_REGISTRY_REFRESH_SECONDS", 0.0)
+    directory = FakeDirectory(stored=2, entries=[])
+    engines = StoreEngines()
+    app = build_app(P_URLS, D_URLS, transport=httpx.MockTransport(engines), directory=directory)
+    assert app.state.proxy.router.refresh_seconds == proxy_mod.SCOPE_REFRESH_SECONDS
+    with TestClient(app) as c:
+        assert c.post("/v1/completions", json={"prompt": "a"}).headers["x-turbowire-route"] \
+            == "pd_no_scope"
+        directory.entries = [entry("d0", "http://d0:8200")]
+        assert c.post("/v1/completions", json={"prompt": "a"}).headers["x-turbowire-route"] \
+            == "store_hit"
+        assert c.post("/v1/completions", json={"prompt": "a"}).headers["x-turbowire-route"] \
+            == "store_hit"
+    assert directory.engine_reads == 2, "a non-empty registry is cached for the full period"
