@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 OPT_OUT_PARAM = "turbowire_store"
 LOCAL_INDEX_MAX = 1 << 20  # chunk hashes remembered as held by this engine's local tiers
 RECENT_SAVES_MAX = 1 << 16  # chunk hashes queued for saving recently (no duplicate encodes)
+SAVE_PENDING_SECONDS = 30.0  # a planned save not confirmed by then may be planned again
 MAX_LOADS_PER_REQUEST = 2  # a load, and one more after a preemption; never a loop of failures
 REGISTER_PERIOD_S = 10.0
 
@@ -232,8 +233,11 @@ class StorePlanner:
             chunks = []
             for i in range(state.next_save, full):
                 chunk_hash = state.hashes[i]
-                if chunk_hash in self._local.entries or chunk_hash in self._queued.entries:
-                    continue  # held already, or another request is saving it
+                queued_at = self._queued.entries.get(chunk_hash)
+                if chunk_hash in self._local.entries or (
+                    queued_at is not None and time.monotonic() - queued_at < SAVE_PENDING_SECONDS
+                ):
+                    continue  # held already, or another request is saving it right now
                 self._queued.add(chunk_hash, RECENT_SAVES_MAX)
                 chunks.append(StoreChunk(i * self.chunk_tokens, chunk_hash))
             state.next_save = max(state.next_save, full)

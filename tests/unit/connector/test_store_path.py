@@ -418,3 +418,21 @@ def test_registration_is_retried_at_once_after_a_failure():
     assert directory.calls == 2
     p.maintain("kv_both", "127.0.0.1:5700", record)
     assert directory.calls == 2, "after a success, once per period"
+
+
+def test_a_save_that_never_landed_is_planned_again_later(monkeypatch):
+    """A save dropped while Redis was down must not block that chunk forever."""
+    import turbowire.connector.store_scheduler as mod
+
+    tokens = list(range(CHUNK))
+    p, _ = planner()
+    first = fake_request("a", tokens)
+    p.lookup(first, 0)
+    assert len(p.plan_saves({"a": CHUNK})) == 1
+    second = fake_request("b", tokens)
+    p.lookup(second, 0)
+    assert p.plan_saves({"b": CHUNK}) == [], "another request is saving it right now"
+    monkeypatch.setattr(mod, "SAVE_PENDING_SECONDS", 0.0)
+    third = fake_request("c", tokens)
+    p.lookup(third, 0)
+    assert len(p.plan_saves({"c": CHUNK})) == 1
