@@ -63,11 +63,15 @@ class CompatibilityRecord:
     def mismatch(
         self, other: CompatibilityRecord, sides: tuple[str, str] = ("this engine", "peer")
     ) -> IncompatiblePeerError | None:
-        """The first differing field as an error, or None when compatible."""
-        for f in fields(self):
-            ours, theirs = getattr(self, f.name), getattr(other, f.name)
+        """The first differing field as an error, or None when compatible (the speculative
+        config first: a drafter on one side also changes the layer counts)."""
+        names = sorted((f.name for f in fields(self)), key=lambda n: n != "speculative_config")
+        for name in names:
+            ours, theirs = getattr(self, name), getattr(other, name)
             if ours != theirs:
-                return IncompatiblePeerError(f.name, ours, theirs, sides=sides)
+                if name == "speculative_config":
+                    return _speculative_mismatch(ours, theirs, sides)
+                return IncompatiblePeerError(name, ours, theirs, sides=sides)
         return None
 
     def check(
@@ -122,19 +126,59 @@ class CompatibilityRecord:
 
 
 def speculative_factors(vllm_config: VllmConfig) -> dict[str, Any] | None:
-    """The speculative-decoding settings that change which layers hold KV (None without SD)."""
+    """The speculative settings both peers must share (None: no draft KV, e.g. ngram/suffix).
+
+    The same factors vLLM's NixlConnector hashes for hidden-state-based drafts (EAGLE family,
+    MTP, draft models): their attention layers are entries of ``kv_caches`` and move with the
+    target's, so the drafter, its weights and its KV dtype must match on both sides.
+    """
     spec = vllm_config.speculative_config
-    if spec is None:
-        return None
-    method = getattr(spec, "method", None)
-    if method in (None, "ngram", "suffix"):
-        return None  # no draft KV: prefill and decode may differ here (vLLM does the same)
-    draft = getattr(spec, "draft_model_config", None)
+    if spec is None or not has_draft_kv(spec):
+        return None  # ngram, suffix, medusa: no draft KV; prefill and decode may differ here
+    draft = spec.draft_model_config
+    aux = getattr(getattr(draft, "hf_config", None), "eagle_aux_hidden_state_layer_ids", None)
     return {
-        "method": str(method),
-        "draft_model": str(getattr(draft, "model", "")) if draft is not None else "",
-        "draft_kv_cache_dtype": str(getattr(spec, "kv_cache_dtype", None) or ""),
+        "method": str(spec.method),
+        "model": str(getattr(draft, "model", "")) if draft is not None else "",
+        "revision": str(getattr(draft, "revision", None) or ""),
+        "code_revision": str(getattr(draft, "code_revision", None) or ""),
+        "parallel_drafting": bool(getattr(spec, "parallel_drafting", False)),
+        "num_speculative_tokens": int(spec.num_speculative_tokens or 0)
+        if spec.use_multi_module_mtp() else 0,  # multi-module MTP: K sets the prefill backoff
+        "kv_cache_dtype": str(spec.kv_cache_dtype or vllm_config.cache_config.cache_dtype),
+        "auxiliary_layer_ids": [int(i) for i in aux] if aux is not None else None,
     }
+
+
+def has_draft_kv(spec: Any) -> bool:
+    check = getattr(spec, "uses_draft_kv_cache", None)
+    if callable(check):
+        return bool(check())
+    return getattr(spec, "method", None) not in (None, "ngram", "suffix", "medusa")
+
+
+def _speculative_mismatch(ours: str, theirs: str, sides: tuple[str, str]) -> IncompatiblePeerError:
+    """Name the speculative setting that differs (``speculative_config.method``, ...)."""
+    mine = json.loads(ours) if ours else {}
+    peer = json.loads(theirs) if theirs else {}
+    if not mine or not peer:
+        def runs(record: dict[str, Any]) -> str:
+            return f"runs {record.get('method', '?')!r} with draft KV" if record else "has none"
+
+        return IncompatiblePeerError(
+            "speculative_config", ours or "none", theirs or "none", sides=sides,
+            message=(
+                f"incompatible peer: speculative_config differs ({sides[0]} {runs(mine)}, "
+                f"{sides[1]} {runs(peer)}); a drafter's KV moves with the target's, so start "
+                "both engines with the same model-based --speculative-config"
+            ),
+        )
+    for key in sorted(set(mine) | set(peer)):
+        if mine.get(key) != peer.get(key):
+            return IncompatiblePeerError(
+                f"speculative_config.{key}", mine.get(key), peer.get(key), sides=sides
+            )
+    return IncompatiblePeerError("speculative_config", ours, theirs, sides=sides)
 
 
 def model_identity(vllm_config: VllmConfig) -> str:

@@ -44,6 +44,11 @@ from turbowire.connector.params import (
     prompt_digest,
 )
 from turbowire.connector.spec import EngineSetup
+from turbowire.connector.speculative import (
+    DraftLedger,
+    remote_prefill_tokens,
+    truncate_for_prefill,
+)
 from turbowire.connector.staging import StagingFullError, StagingPool
 from turbowire.connector.stats import TurboWireConnectorStats
 
@@ -105,6 +110,8 @@ class TurboWireScheduler:
         )
         self.pool = StagingPool(self.layout.num_slots, config.lease_seconds)
         self.stats = TurboWireConnectorStats()
+        self.speculative = setup.speculative
+        self.drafts = DraftLedger(self.stats) if self.speculative.enabled else None
         self._kv_cache_manager: KVCacheManager | None = None
         self._send: dict[str, SendState] = {}
         self._pending_loads: list[LoadRequest] = []
@@ -132,6 +139,13 @@ class TurboWireScheduler:
                 _redact(config.directory_url) or "none (local index)",
             )
         self._publish_gauges()
+        if self.speculative.enabled:
+            logger.info(
+                "turbowire speculative decoding: %s, %d tokens; saves held %d position(s) behind "
+                "the verified tokens; prefill backoff %d token(s)", self.speculative.method,
+                self.speculative.num_speculative_tokens, self.speculative.draft_lookahead,
+                self.speculative.prefill_backoff,
+            )
         logger.info(
             "turbowire scheduler: engine %s, preset %s, %d layers (%d draft), block %d tokens, "
             "staging %d slots x %d B",
@@ -214,7 +228,14 @@ class TurboWireScheduler:
     # ------------------------------------------------------------------ both roles
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
+        if self.drafts is not None:
+            self.drafts.track(request)
         if self.is_producer and is_remote_decode(params):
+            if truncate_for_prefill(request, self.speculative.prefill_backoff):
+                logger.debug(
+                    "request %s: the last %d prompt token(s) are left to the decode engine",
+                    request.request_id, self.speculative.prefill_backoff,
+                )
             self._send[request.request_id] = SendState(request)
         elif self.is_consumer and is_remote_prefill(params):
             remote = self._parse(request)
@@ -230,6 +251,8 @@ class TurboWireScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> TurboWireConnectorMetadata:
         meta = TurboWireConnectorMetadata()
+        if self.drafts is not None:
+            self.drafts.observe(scheduler_output)
         if self._send:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 state = self._send.get(req_id)
@@ -242,7 +265,9 @@ class TurboWireScheduler:
             self._pending_loads = []
         if self.store is not None:
             meta.store_loads = self.store.take_loads()
-            meta.store_saves = self.store.plan_saves(scheduler_output.num_scheduled_tokens)
+            meta.store_saves = self.store.plan_saves(
+                scheduler_output.num_scheduled_tokens, self.speculative.draft_lookahead
+            )
         self._reap()
         return meta
 
@@ -263,6 +288,9 @@ class TurboWireScheduler:
         """Dense blocks are always freed now (False); the compressed copy waits under a lease."""
         req_id = request.request_id
         params = request.kv_transfer_params
+        drafts = self.drafts.finished(request) if self.drafts is not None else None
+        if self.store is not None:
+            self.store.finished(req_id)
         if self.is_consumer and is_remote_prefill(params):
             self._stop_heartbeat(req_id)
             if req_id not in self._load_queued:
@@ -274,15 +302,14 @@ class TurboWireScheduler:
             self._load_queued.discard(req_id)
             report = self._reports.pop(req_id, None)
             if report is not None:
-                return False, {"turbowire_load": report.as_params()}
+                return False, {"turbowire_load": _with_drafts(report.as_params(), drafts)}
             return False, None
         self._parsed.pop(req_id, None)
         store_report = None
         if self.store is not None:
-            self.store.finished(req_id)
             report = self._reports.pop(req_id, None)
             if report is not None:
-                store_report = {"turbowire_load": report.as_params()}
+                store_report = {"turbowire_load": _with_drafts(report.as_params(), drafts)}
         state = self._send.pop(req_id, None)
         if state is None:
             return False, store_report
@@ -320,7 +347,7 @@ class TurboWireScheduler:
         remote = self._parse(request)
         if remote is None or remote.num_tokens == 0:
             return 0, False
-        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        count = self._remote_total(remote, request) - num_computed_tokens
         if count <= 0 or count < self.config.min_transfer_tokens:
             return 0, False
         return count, True
@@ -339,6 +366,10 @@ class TurboWireScheduler:
         ):
             return
         remote = self._parse(request)
+        if self.store is not None:
+            # this engine saves what it computes itself: from the first chunk not loaded
+            loaded = self._remote_total(remote, request) if remote and num_external_tokens else 0
+            self.store.track_decode(request, loaded)
         if remote is None:
             return
         self._load_queued.add(req_id)
@@ -349,7 +380,7 @@ class TurboWireScheduler:
                     LoadRequest(req_id, remote.request_id, peer, [], remote.preset)
                 )
             return
-        total = min(remote.num_tokens, request.num_prompt_tokens)
+        total = self._remote_total(remote, request)
         first_token = total - num_external_tokens
         first_block = first_token // self.block_size
         last_block = blocks_for_tokens(total, self.block_size)
@@ -379,6 +410,11 @@ class TurboWireScheduler:
                 block_ids=[b.block_id for b in group[:last_block]],
             )
         )
+
+    def _remote_total(self, remote: RemotePrefill, request: Request) -> int:
+        """Prompt tokens loaded from the peer: never the backoff a drafter needs recomputed."""
+        cap = remote_prefill_tokens(request.num_prompt_tokens, self.speculative.prefill_backoff)
+        return min(remote.num_tokens, cap)
 
     def _parse(self, request: Request) -> RemotePrefill | None:
         """Validate a decode request's params once; malformed ones are logged and recomputed."""
@@ -598,6 +634,14 @@ class TurboWireScheduler:
                     "prefill engine %s:%d no longer holds leases %s (expired?)",
                     host, port, list(reply.unknown)[:5],
                 )
+
+
+def _with_drafts(report: dict[str, Any], drafts: Any) -> dict[str, Any]:
+    """The request report with its speculative positions (decode engines running drafts)."""
+    if drafts is None:
+        return report
+    return {**report, "spec_drafted_tokens": drafts.drafted,
+            "spec_accepted_tokens": drafts.accepted}
 
 
 def _redact(url: str | None) -> str | None:

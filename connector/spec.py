@@ -13,9 +13,15 @@ from typing import TYPE_CHECKING
 
 from turbowire.codec import Codec
 from turbowire.connector.codecs import codec_format_version, make_codec
-from turbowire.connector.compat import CompatibilityRecord, model_identity, speculative_factors
+from turbowire.connector.compat import (
+    CompatibilityRecord,
+    has_draft_kv,
+    model_identity,
+    speculative_factors,
+)
 from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout, layer_sort_key
+from turbowire.connector.speculative import SpeculativeSetup
 from turbowire.store.keys import StoreScope, model_slug
 
 if TYPE_CHECKING:
@@ -38,6 +44,7 @@ class EngineSetup:
     is_consumer: bool  # READs KV from NIXL peers
     tp_size: int
     store_scope: StoreScope | None = None  # set when the config's transport uses the store
+    speculative: SpeculativeSetup = SpeculativeSetup()
 
     @classmethod
     def build(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -76,14 +83,15 @@ class EngineSetup:
             )
         # the NIXL roles: with transport "store" an engine neither stages nor READs from peers
         return cls(geometry, codec, layout, record, bool(ktc.is_kv_producer) and config.uses_nixl,
-                   bool(ktc.is_kv_consumer) and config.uses_nixl, tp_size, store_scope)
+                   bool(ktc.is_kv_consumer) and config.uses_nixl, tp_size, store_scope,
+                   SpeculativeSetup.from_vllm_config(vllm_config))
 
 
 def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:
     """Which KV layers belong to a draft model (EAGLE/MTP/draft-model speculative decoding):
     vLLM numbers them after the target model's layers."""
     spec = vllm_config.speculative_config
-    if spec is None or getattr(spec, "method", None) in (None, "ngram", "suffix"):
+    if spec is None or not has_draft_kv(spec):
         return lambda name: False
     target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     return lambda name: layer_sort_key(name)[0] >= target_layers

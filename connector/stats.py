@@ -337,11 +337,15 @@ class TurboWireConnectorStats(KVConnectorStats):
             out["Store hit rate"] = round(hits / (hits + misses), 3)
         if ("stored_bytes", None) in counters:
             out["Stored bytes"] = int(counters[("stored_bytes", None)])
+        drafted = int(counters.get(("spec_positions", "drafted"), 0))
         accepted = int(counters.get(("spec_positions", "accepted"), 0))
         discarded = int(counters.get(("spec_positions", "discarded"), 0))
-        if accepted or discarded:
+        if drafted or accepted or discarded:
+            out["Spec positions drafted"] = drafted
             out["Spec positions accepted"] = accepted
             out["Spec positions discarded"] = discarded
+            if accepted + discarded:
+                out["Spec acceptance rate"] = round(accepted / (accepted + discarded), 3)
         if ("dropped_observations", None) in counters:
             out["Dropped observations"] = int(counters[("dropped_observations", None)])
         return out
@@ -408,13 +412,18 @@ class TurboWireConnectorStats(KVConnectorStats):
             raise StatsLabelError(f"store operation {operation!r}: use one of {STORE_OPERATIONS}")
         self._inc("store_failures", {"operation": operation, "reason": _check_reason(reason)}, 1)
 
-    def record_spec(self, accepted: int, discarded: int) -> None:
-        """Speculative positions on the decode side: accepted (kept) and discarded (never saved)."""
-        accepted = self._check_bytes("accepted", accepted)
-        discarded = self._check_bytes("discarded", discarded)
+    def record_spec(self, drafted: int = 0, accepted: int = 0, discarded: int = 0) -> None:
+        """Speculative positions on the decode side: drafted (scheduled for verification), then
+        accepted (became output tokens) or discarded (rejected: never saved or shipped)."""
+        values = {
+            "drafted": self._check_bytes("drafted", drafted),
+            "accepted": self._check_bytes("accepted", accepted),
+            "discarded": self._check_bytes("discarded", discarded),
+        }
         with _LOCK:
-            self._inc("spec_positions", {"outcome": "accepted"}, accepted)
-            self._inc("spec_positions", {"outcome": "discarded"}, discarded)
+            for outcome, value in values.items():
+                if value:
+                    self._inc("spec_positions", {"outcome": outcome}, value)
 
     # ---- helpers -------------------------------------------------------------------------------
     def clone_and_reset(self) -> TurboWireConnectorStats:

@@ -5,9 +5,11 @@ prefix hash (``turbowire.store.keys``); the longest run of leading chunks that t
 this engine's own local tiers, as its workers reported them) holds becomes external tokens to
 load, beyond what vLLM's own prefix cache already has. Nothing is read here but the directory.
 
-Save (``build_connector_meta``): every full chunk of a prompt that this engine computed (not
-loaded from the store or a peer) is planned for encoding in the step that computes its last
-token; the workers encode it after the forward pass and store it without waiting.
+Save (``build_connector_meta``): every full chunk of a request (prompt and accepted outputs, so
+a later turn can reuse it) that this engine computed (not loaded from the store or a peer) is
+planned for encoding in the step whose end makes all its positions verified
+(``turbowire.connector.speculative.verified_tokens``: never a draft that may be rejected); the
+workers encode it after the forward pass (and the drafter's) and store it without waiting.
 
 Redis down: lookups are misses (counted), the engine keeps serving; the directory's circuit
 breaker keeps a dead Redis from slowing the scheduler loop.
@@ -25,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import blocks_for_tokens
 from turbowire.connector.metadata import StoreChunk, StoreLoad, StoreSave
+from turbowire.connector.speculative import verified_tokens
 from turbowire.connector.stats import TurboWireConnectorStats
 from turbowire.errors import TurboWireError, failure_reason
-from turbowire.store.keys import StoreKeyError, StoreScope, chunk_hashes
+from turbowire.store.keys import StoreKeyError, StoreScope, chunk_hashes, extend_chunk_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -51,7 +54,7 @@ class StoreRequestState:
     """What the store path knows about one request of this engine."""
 
     request: Request
-    hashes: list[bytes]
+    hashes: list[bytes]  # the prompt's chunks at lookup; grows with verified outputs
     save: bool
     stored_chunks: int | None = None  # leading chunks found stored (None: not looked up yet)
     local_computed: int = 0  # tokens vLLM's prefix cache had at lookup
@@ -214,22 +217,47 @@ class StorePlanner:
         loads, self._pending_loads = self._pending_loads, []
         return loads
 
+    def track_decode(self, request: Request, loaded_tokens: int) -> None:
+        """A request whose prompt came from a prefill peer: save what this engine computes
+        itself, from the first chunk the peer did not supply (its outputs, for the next turn)."""
+        if request.request_id in self._states:
+            return
+        state = self._state(request)
+        if state is not None:
+            state.stored_chunks = 0
+            state.counted = True
+            state.next_save = max(0, loaded_tokens) // self.chunk_tokens
+
     def is_store_load(self, request_id: str) -> bool:
         state = self._states.get(request_id)
         return state is not None and state.external_tokens > 0
 
     # ------------------------------------------------------------------ save
-    def plan_saves(self, num_scheduled_tokens: dict[str, int]) -> list[StoreSave]:
-        """The full prompt chunks whose last token is computed in this step."""
+    def plan_saves(
+        self, num_scheduled_tokens: dict[str, int], draft_lookahead: int = 0
+    ) -> list[StoreSave]:
+        """The full chunks all of whose positions are verified once this step ran."""
         saves: list[StoreSave] = []
         for req_id, num_scheduled in num_scheduled_tokens.items():
             state = self._states.get(req_id)
-            if state is None or not state.save or state.next_save >= len(state.hashes):
+            if state is None or not state.save:
                 continue
             request = state.request
-            computed_after = min(request.num_computed_tokens + num_scheduled,
-                                 request.num_prompt_tokens)
-            full = min(computed_after // self.chunk_tokens, len(state.hashes))
+            verified = verified_tokens(request, num_scheduled, draft_lookahead)
+            full = verified // self.chunk_tokens
+            if full <= state.next_save:
+                continue
+            if full > len(state.hashes):
+                extend_chunk_hashes(state.hashes, request.all_token_ids[: full * self.chunk_tokens],
+                                    self.chunk_tokens)
+                full = min(full, len(state.hashes))
+            end = full * self.chunk_tokens
+            block_ids = self._block_ids_of(req_id)
+            if len(block_ids) < blocks_for_tokens(end, self.block_size):
+                # blocks not there (yet): plan nothing now, this step's chunks stay due
+                logger.debug("request %s: %d blocks for %d tokens; save deferred",
+                             req_id, len(block_ids), end)
+                continue
             chunks = []
             for i in range(state.next_save, full):
                 chunk_hash = state.hashes[i]
@@ -240,11 +268,11 @@ class StorePlanner:
                     continue  # held already, or another request is saving it right now
                 self._queued.add(chunk_hash, RECENT_SAVES_MAX)
                 chunks.append(StoreChunk(i * self.chunk_tokens, chunk_hash))
-            state.next_save = max(state.next_save, full)
+            state.next_save = full
             if chunks:
-                end = chunks[-1].token_start + self.chunk_tokens
-                block_ids = self._block_ids_of(req_id)[: blocks_for_tokens(end, self.block_size)]
-                saves.append(StoreSave(req_id, list(block_ids), chunks))
+                last = chunks[-1].token_start + self.chunk_tokens
+                needed = blocks_for_tokens(last, self.block_size)
+                saves.append(StoreSave(req_id, list(block_ids[:needed]), chunks))
         return saves
 
     def note_stored(self, stored: dict[str, int]) -> None:

@@ -130,7 +130,9 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "decoded into the paged cache (reads overlap decodes).",
                stats_name="store_load_seconds"),
     MetricSpec("turbowire_spec_positions_total", "counter", ("outcome",),
-               "Speculative KV positions on the decode side: accepted (kept) or discarded.",
+               "Speculative positions seen by the connector: drafted (scheduled for "
+               "verification), then accepted (became output tokens) or discarded (rejected; "
+               "never saved or shipped).",
                stats_name="spec_positions"),
     MetricSpec("turbowire_stats_dropped_observations_total", "counter", (),
                "Histogram observations dropped because one stats interval held too many.",

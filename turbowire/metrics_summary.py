@@ -207,8 +207,9 @@ def summarize(
         if sum(spec.values()):
             rows.append(
                 (
-                    "spec positions accepted / discarded",
-                    f"{spec.get('accepted', 0):.0f} / {spec.get('discarded', 0):.0f}",
+                    "spec positions drafted / accepted / discarded",
+                    f"{spec.get('drafted', 0):.0f} / {spec.get('accepted', 0):.0f} / "
+                    f"{spec.get('discarded', 0):.0f}",
                 )
             )
     if now.is_proxy:

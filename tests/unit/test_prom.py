@@ -73,7 +73,7 @@ def test_observe_exports_catalog_series_with_values() -> None:
     s.set_gauge("staging_bytes_in_use", 100, worker=0)
     s.set_gauge("staging_bytes_in_use", 50, worker=1)
     s.record_store(True, 10)
-    s.record_spec(4, 1)
+    s.record_spec(drafted=5, accepted=4, discarded=1)
     prom.observe(s.to_dict(), engine_idx=1)
     smp = _samples(reg)
     base = {"model_name": "smollm2", "engine": "1", "role": "producer"}
@@ -85,6 +85,7 @@ def test_observe_exports_catalog_series_with_values() -> None:
     assert _get(smp, "turbowire_staging_in_use_bytes", **base) == 150
     assert _get(smp, "turbowire_store_lookups_total", **base, result="hit") == 1
     assert _get(smp, "turbowire_spec_positions_total", **base, outcome="discarded") == 1
+    assert _get(smp, "turbowire_spec_positions_total", **base, outcome="drafted") == 5
     hist = dict(base, transport="nixl", preset="tq4")
     assert _get(smp, "turbowire_kv_transfer_duration_seconds_count", **hist) == 1
     assert _get(smp, "turbowire_kv_transfer_duration_seconds_sum", **hist) == pytest.approx(0.02)

@@ -94,6 +94,7 @@ def test_reduce_reports_failures_store_spec() -> None:
     s.record_store(True, 500)
     s.record_store(False, 0)
     s.record_stored(4096)
+    s.record_spec(drafted=10)
     s.record_spec(accepted=7, discarded=3)
     s.set_gauge("leases_outstanding", 5)
     s.observe("handshake_seconds", 0.25, transport="nixl")
@@ -104,6 +105,7 @@ def test_reduce_reports_failures_store_spec() -> None:
     assert r["Store hit rate"] == pytest.approx(0.667)
     assert r["Stored bytes"] == 4096
     assert r["Spec positions accepted"] == 7 and r["Spec positions discarded"] == 3
+    assert r["Spec positions drafted"] == 10 and r["Spec acceptance rate"] == pytest.approx(0.7)
     assert r["Leases outstanding"] == 5
     assert r["Avg handshake time (ms)"] == 250.0
     failures = {lbl["reason"]: v for n, lbl, v in iter_counters(s.data) if n == "failures"}
@@ -130,7 +132,7 @@ def test_clone_and_reset_hands_over_everything() -> None:
         lambda s: s.observe("encode_seconds", float("nan")),
         lambda s: s.observe("encode_seconds", 1.0, request_id="abc"),
         lambda s: s.set_gauge("staging_used", 1.0),
-        lambda s: s.record_spec(-1, 0),
+        lambda s: s.record_spec(accepted=-1),
     ],
 )
 def test_bad_inputs_rejected(call) -> None:

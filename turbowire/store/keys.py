@@ -58,6 +58,24 @@ def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
     return out
 
 
+def extend_chunk_hashes(hashes: list[bytes], tokens: Sequence[int] | np.ndarray,
+                        chunk_tokens: int) -> list[bytes]:
+    """Append to ``hashes`` (the chain of ``tokens``' first chunks) the hashes of the further
+    full chunks of ``tokens``: a request's chain grows as its outputs become final."""
+    if chunk_tokens <= 0:
+        raise StoreKeyError(f"chunk_tokens must be positive (got {chunk_tokens})")
+    start, n = len(hashes), len(tokens) // chunk_tokens
+    if n <= start:
+        return hashes
+    data = _token_bytes(tokens[start * chunk_tokens: n * chunk_tokens])
+    step = 4 * chunk_tokens
+    prev = hashes[-1] if hashes else ROOT_HASH
+    for i in range(n - start):
+        prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()[:CHUNK_HASH_BYTES]
+        hashes.append(prev)
+    return hashes
+
+
 def chunk_tag(chunk_hash: bytes) -> int:
     """The codec chunk tag of every layer chunk of a stored chunk (the kernels refuse a chunk
     whose tag differs: a blob of another prefix is never decoded)."""

@@ -1,6 +1,7 @@
 """Compatibility record: each differing field is named in the refusal."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -56,3 +57,36 @@ def test_mismatch_names_field(field):
 def test_equal_records_and_dict_roundtrip():
     assert BASE.mismatch(dataclasses.replace(BASE)) is None
     assert CompatibilityRecord.from_dict(BASE.to_dict()) == BASE
+
+
+def _spec_record(**factors):
+    return dataclasses.replace(BASE, speculative_config=json.dumps(factors, sort_keys=True))
+
+
+@pytest.mark.parametrize(
+    "key, theirs",
+    [("method", "eagle3"), ("model", "/models/other-draft"), ("kv_cache_dtype", "fp8"),
+     ("num_speculative_tokens", 3)],
+)
+def test_speculative_mismatch_names_the_setting(key, theirs):
+    factors = {"method": "eagle", "model": "/models/draft", "kv_cache_dtype": "auto",
+               "num_speculative_tokens": 0}
+    ours, other = _spec_record(**factors), _spec_record(**{**factors, key: theirs})
+    err = ours.mismatch(other, ("prefill engine", "decode engine"))
+    assert isinstance(err, IncompatiblePeerError)
+    assert err.field_name == f"speculative_config.{key}"
+    assert f"speculative_config.{key} differs" in str(err)
+    assert ours.mismatch(_spec_record(**factors)) is None
+
+
+def test_speculative_on_one_side_only_says_which():
+    err = _spec_record(method="eagle").mismatch(BASE, ("decode engine", "prefill engine"))
+    assert err is not None and err.field_name == "speculative_config"
+    assert "decode engine runs 'eagle'" in str(err) and "prefill engine has none" in str(err)
+
+
+def test_a_drafter_on_one_side_is_named_before_its_layer_count():
+    ours = dataclasses.replace(BASE, num_layers=5, num_draft_layers=1,
+                               speculative_config=json.dumps({"method": "eagle"}))
+    err = ours.mismatch(BASE)
+    assert err is not None and err.field_name == "speculative_config"

@@ -48,9 +48,14 @@ def make_config(**kw) -> TurboWireConfig:
 
 
 def fake_request(req_id: str, tokens: list[int], computed: int = 0, params=None):
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens,
-                           num_prompt_tokens=len(tokens), num_computed_tokens=computed,
-                           kv_transfer_params=params)
+    """vLLM's own Request (the fields the planner reads: tokens, outputs, computed, params)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    request = Request(req_id, list(tokens), SamplingParams(max_tokens=64, temperature=0), None)
+    request.num_computed_tokens = computed
+    request.kv_transfer_params = params
+    return request
 
 
 @dataclass
