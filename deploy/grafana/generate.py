@@ -338,7 +338,9 @@ def sections() -> list[Section]:
             ),
             PanelSpec(
                 "Speculative positions",
-                "Decode-side speculative KV positions per second: accepted (kept) vs discarded.",
+                "Decode-side speculative positions per second: drafted (scheduled for "
+                "verification), accepted (became output tokens), discarded (rejected: never "
+                "saved or shipped).",
                 "ops",
                 (
                     Query(
@@ -346,7 +348,20 @@ def sections() -> list[Section]:
                         "{{outcome}}",
                     ),
                 ),
-                stacked=True,
+            ),
+            PanelSpec(
+                "Draft acceptance rate",
+                "Accepted / (accepted + discarded) speculative positions on the decode side.",
+                "percentunit",
+                (
+                    Query(
+                        "sum(rate(turbowire_spec_positions_total{"
+                        f'{SEL}, outcome="accepted"}}[{RI}])) / sum(rate('
+                        "turbowire_spec_positions_total{"
+                        f'{SEL}, outcome=~"accepted|discarded"}}[{RI}]))',
+                        "acceptance",
+                    ),
+                ),
             ),
         ],
     )
