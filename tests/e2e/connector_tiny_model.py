@@ -73,5 +73,47 @@ def ensure_tiny_llama(root: Path | None = None) -> Path:
     return target
 
 
+EAGLE_NAME = "tw-e2e-tiny-eagle-v1"
+
+
+def ensure_tiny_eagle(target: Path, root: Path | None = None) -> Path:
+    """Build (once) a random one-layer EAGLE-1 draft for ``target`` and return its folder.
+
+    vLLM loads it as ``EagleLlamaForCausalLM``: an ``fc`` over [embedding, target hidden state]
+    and one decoder layer whose attention KV is an ordinary entry of the engine's ``kv_caches``
+    (named after the target's layers), which is what the connector must move with the rest.
+    """
+    out = (root or cache_root() / "models") / EAGLE_NAME
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    base = LlamaConfig.from_pretrained(target)
+    cfg = LlamaConfig(**{**base.to_dict(), "num_hidden_layers": 1})
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(1)
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).to(torch.bfloat16)
+    weights = {  # EAGLE-1's first layer has no input layernorm (vLLM replaces it by Identity)
+        f"layers.0.{k}": v.contiguous() for k, v in layer.state_dict().items()
+        if not k.startswith("input_layernorm")
+    }
+    weights["fc.weight"] = (
+        torch.randn(cfg.hidden_size, 2 * cfg.hidden_size) * cfg.initializer_range
+    ).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(weights, str(tmp / "model.safetensors"))
+    cfg.save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, tmp / name)
+    tmp.rename(out)
+    return out
+
+
 if __name__ == "__main__":
     print(ensure_tiny_llama())

@@ -1,0 +1,285 @@
+"""Speculative decoding on the decode engine, with real engines, the real proxy and real Redis.
+
+The prefill engine runs plain; decode engines run vLLM's ngram speculation with K=3 and K=5
+(``raw``). Greedy answers through the proxy equal the prefill engine answering alone, for
+prompts whose drafts are mostly accepted and mostly rejected; the connector's draft counts
+equal vLLM's own spec-decode counters; the load report says how many tokens were accepted drafts.
+
+No rejected draft leaks (``transport: both``): the K=3 decode engine saves the chunks it
+computes (the prompt's tail and its outputs, for the next turn) under its own namespace, while
+the prefill engine, answering the same prompt alone without speculation, saves the same chunks
+under another. The blobs are compared byte for byte.
+
+EAGLE (a tiny random EAGLE-1 draft vLLM loads on CPU): the draft model's attention layer is an
+ordinary ``kv_caches`` entry and moves with the target's (the wire bytes cover three layers);
+a decode engine running EAGLE refuses a plain prefill peer at the handshake, naming the
+speculative config, and recomputes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from conftest import MODEL_NAME, metric_sum, scrape_metrics
+from connector_tiny_model import ensure_tiny_eagle
+from support.redis_server import RedisServer
+from test_connector_e2e_raw import prompt_ids
+
+from turbowire.serving.launch import (
+    EngineSpec,
+    ManagedProcess,
+    ProcessGroup,
+    free_port,
+    start_engine,
+    start_proxy,
+    turbowire_kv_config,
+)
+
+pytestmark = pytest.mark.e2e
+
+CHUNK = 32  # store chunks of one block: many chunk ends fall inside verify steps
+STAGING = 64 << 20
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
+DENSE_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # bf16 K and V, target layers
+
+
+def ngram(k: int) -> list[str]:
+    return ["--speculative-config", json.dumps({
+        "method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+    })]
+
+
+def repetitive(seed: int, n: int) -> list[int]:
+    """A prompt that repeats one short phrase: ngram drafts are mostly accepted."""
+    phrase = prompt_ids(seed, 7)
+    return (phrase * (n // len(phrase) + 1))[:n]
+
+
+@dataclass
+class SpecStack:
+    prefill: ManagedProcess
+    decoders: dict[int, ManagedProcess]  # K -> decode engine
+    proxies: dict[int, ManagedProcess]
+    redis: RedisServer
+
+    def complete(self, url: str, prompt, max_tokens: int = 48) -> dict:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def _engine(group: ProcessGroup, name: str, model, cpu: int, log_dir, extra_args=(), **cfg):
+    common = dict(kvcache_gib=1, block_size=32, max_model_len=2048, max_num_seqs=8,
+                  max_num_batched_tokens=1024, served_model_name=MODEL_NAME)
+    cfg = {"preset": "raw", "staging_bytes": STAGING, "lease_seconds": 10, **cfg}
+    return group.add(start_engine(EngineSpec(
+        name, model, free_port(), cpu=cpu,
+        kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **cfg),
+        extra_args=list(extra_args), **common), log_dir))
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model, engine_slot, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs-spec")
+    redis = RedisServer()
+    redis.start()
+    group = ProcessGroup()
+    try:
+        store = dict(transport="both", store_url=redis.url, store_local_cpu_bytes="64MiB",
+                     store_chunk_tokens=CHUNK)
+        p = _engine(group, "spec-prefill", tiny_model, 0, log_dir, store_namespace="ref", **store)
+        d3 = _engine(group, "spec-decode-k3", tiny_model, 1, log_dir, ngram(3),
+                     store_namespace="spec", **store)
+        d5 = _engine(group, "spec-decode-k5", tiny_model, 1, log_dir, ngram(5))
+        for e in (p, d3, d5):
+            e.wait_healthy(900)
+        proxies = {}
+        for k, d in ((3, d3), (5, d5)):
+            proxies[k] = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
+            proxies[k].wait_healthy(120)
+        st = SpecStack(p, {3: d3, 5: d5}, proxies, redis)
+        for k in (3, 5):
+            st.complete(proxies[k].url, "warm up the connection please", max_tokens=2)
+        yield st
+    finally:
+        group.stop()
+        redis.stop()
+
+
+def _counters(url: str) -> dict[str, float]:
+    s = scrape_metrics(url)
+    return {
+        "drafted": metric_sum(s, "turbowire_spec_positions_total", outcome="drafted"),
+        "accepted": metric_sum(s, "turbowire_spec_positions_total", outcome="accepted"),
+        "discarded": metric_sum(s, "turbowire_spec_positions_total", outcome="discarded"),
+        "vllm_drafted": metric_sum(s, "vllm:spec_decode_num_draft_tokens_total"),
+        "vllm_accepted": metric_sum(s, "vllm:spec_decode_num_accepted_tokens_total"),
+    }
+
+
+PROMPTS = {
+    "repetitive": [repetitive(s, 120 + 37 * s) for s in (1, 2)],
+    "plain": [prompt_ids(5100 + s, 90 + 61 * s) for s in range(3)],
+}
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_greedy_outputs_equal_the_prefill_engine_alone(spec, k):
+    before = _counters(spec.decoders[k].url)
+    rates = {}
+    drafted = accepted = 0
+    for kind, prompts in PROMPTS.items():
+        kind_drafted = kind_accepted = 0
+        for prompt in prompts:
+            ref = spec.complete(spec.prefill.url, prompt)["choices"][0]["text"]
+            out = spec.complete(spec.proxies[k].url, prompt)
+            assert out["choices"][0]["text"] == ref, f"{kind} prompt: D with K={k} differs"
+            load = out["kv_transfer_params"]["turbowire_load"]
+            assert load["tokens"] == len(prompt) and not load.get("failed")
+            assert 0 <= load["spec_accepted_tokens"] <= load["spec_drafted_tokens"]
+            kind_drafted += load["spec_drafted_tokens"]
+            kind_accepted += load["spec_accepted_tokens"]
+        assert kind_drafted > 0, f"no drafts on the {kind} prompts"
+        rates[kind] = kind_accepted / kind_drafted
+        drafted += kind_drafted
+        accepted += kind_accepted
+    after = _counters(spec.decoders[k].url)
+    delta = {name: after[name] - before[name] for name in after}
+    requests = sum(len(p) for p in PROMPTS.values())
+    # the connector saw every draft vLLM verified, and the per-request reports add up to it;
+    # vLLM also counts the K placeholder drafts (-1) it pads the first step after a load with
+    assert delta["drafted"] == drafted
+    assert drafted <= delta["vllm_drafted"] <= drafted + k * requests
+    assert delta["accepted"] == accepted
+    assert delta["accepted"] + delta["discarded"] == delta["drafted"]
+    # vLLM also counts drafts accepted past a stop; the connector counts only output tokens
+    assert delta["accepted"] <= delta["vllm_accepted"] <= delta["accepted"] + k * requests
+    assert rates["repetitive"] > 0.5, rates
+    assert rates["repetitive"] > rates["plain"], rates
+
+
+def _stored_blob(redis_url: str, namespace: str, tokens: list[int], index: int) -> bytes | None:
+    from turbowire.store.keys import StoreScope, chunk_hashes, model_slug
+    from turbowire.store.tiers import ChunkStore, StoreSettings
+
+    scope = StoreScope(namespace, model_slug(f"{MODEL_NAME}.bfloat16"), "raw", 1, CHUNK, 1)
+    store = ChunkStore(StoreSettings(store_url=redis_url, local_cpu_bytes=0, local_disk=None,
+                                     ttl_seconds=600, namespace=namespace))
+    try:
+        return store.get(scope, chunk_hashes(tokens, CHUNK)[index], 0)
+    finally:
+        store.close()
+
+
+def _wait_blob(redis_url: str, namespace: str, tokens: list[int], index: int) -> bytes | None:
+    deadline = time.monotonic() + 20
+    while True:
+        blob = _stored_blob(redis_url, namespace, tokens, index)
+        if blob is not None or time.monotonic() > deadline:
+            return blob
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_saved_chunks_hold_no_rejected_draft(spec, seed):
+    prompt = prompt_ids(8800 + seed, 3 * CHUNK + 5 * seed)
+    max_tokens = 8 * CHUNK  # outputs fill several chunks on the decode engine
+    before = _counters(spec.decoders[3].url)
+    out = spec.complete(spec.proxies[3].url, prompt, max_tokens=max_tokens)
+    after = _counters(spec.decoders[3].url)
+    assert after["discarded"] > before["discarded"], "no draft was rejected: nothing to show"
+    ref = spec.complete(spec.prefill.url, prompt, max_tokens=max_tokens)
+    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    tokens = prompt + list(out["choices"][0]["token_ids"])
+    first = len(prompt) // CHUNK  # the first chunk the decode engine computed itself
+    last = len(tokens) // CHUNK - 1  # the final token's KV is never computed
+    compared = 0
+    for index in range(first, last):
+        spec_blob = _wait_blob(spec.redis.url, "spec", tokens, index)
+        ref_blob = _wait_blob(spec.redis.url, "ref", tokens, index)
+        assert spec_blob is not None, f"the decode engine did not save chunk {index}"
+        assert ref_blob is not None, f"the prefill engine did not save chunk {index}"
+        assert spec_blob == ref_blob, f"chunk {index} differs from the non-speculative run's"
+        compared += 1
+    assert compared >= 6
+    # the chunks before came from the prefill peer: the decode engine does not store them again
+    assert _stored_blob(spec.redis.url, "spec", tokens, 0) is None
+
+
+# ------------------------------------------------------------------ EAGLE: draft KV moves too
+@dataclass
+class EagleStack:
+    prefill: ManagedProcess
+    decode: ManagedProcess
+    proxy: ManagedProcess
+    plain_proxy: ManagedProcess  # the plain prefill engine -> the EAGLE decode engine
+
+
+@pytest.fixture(scope="module")
+def eagle(spec, tiny_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs-eagle")
+    draft = ensure_tiny_eagle(tiny_model)
+    args = ["--speculative-config", json.dumps(
+        {"method": "eagle", "model": str(draft), "num_speculative_tokens": 3})]
+    group = ProcessGroup()
+    try:
+        p = _engine(group, "eagle-prefill", tiny_model, 0, log_dir, args)
+        d = _engine(group, "eagle-decode", tiny_model, 1, log_dir, args,
+                    load_failure_policy="recompute")
+        p.wait_healthy(900)
+        d.wait_healthy(900)
+        x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
+        plain = group.add(start_proxy([spec.prefill.url], [d.url], free_port(), log_dir))
+        x.wait_healthy(120)
+        plain.wait_healthy(120)
+        yield EagleStack(p, d, x, plain)
+    finally:
+        group.stop()
+
+
+def _complete(url: str, prompt, max_tokens: int = 32) -> dict:
+    r = httpx.post(url + "/v1/completions", json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    }, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_eagle_draft_layers_move_with_the_target(eagle):
+    before = scrape_metrics(eagle.decode.url)
+    for seed in range(3):
+        prompt = prompt_ids(7300 + seed, 100 + 45 * seed)
+        ref = _complete(eagle.prefill.url, prompt)["choices"][0]["text"]
+        out = _complete(eagle.proxy.url, prompt)
+        assert out["choices"][0]["text"] == ref
+        load = out["kv_transfer_params"]["turbowire_load"]
+        assert not load["failed"] and load["tokens"] == len(prompt)
+        # three attention layers moved: the target's two and the EAGLE draft's one
+        assert load["dense_bytes"] == len(prompt) * DENSE_PER_TOKEN * 3 // 2
+        assert load["spec_drafted_tokens"] > 0
+    after = scrape_metrics(eagle.decode.url)
+    drafted = (metric_sum(after, "turbowire_spec_positions_total", outcome="drafted")
+               - metric_sum(before, "turbowire_spec_positions_total", outcome="drafted"))
+    assert drafted > 0
+
+
+def test_eagle_decode_refuses_a_plain_prefill_peer(eagle, spec):
+    refused = 'turbowire_kv_transfer_failures_total'
+    before = metric_sum(scrape_metrics(eagle.decode.url), refused, reason="incompatible")
+    prompt = prompt_ids(7400, 150)
+    ref = _complete(spec.prefill.url, prompt)["choices"][0]["text"]
+    out = _complete(eagle.plain_proxy.url, prompt)
+    assert out["choices"][0]["text"] == ref  # recomputed on the decode engine
+    load = (out.get("kv_transfer_params") or {}).get("turbowire_load")
+    assert load is None or load["failed"]
+    after = metric_sum(scrape_metrics(eagle.decode.url), refused, reason="incompatible")
+    assert after > before
+    log = eagle.decode.log_path.read_text(errors="replace")
+    assert "speculative_config differs" in log and "runs 'eagle'" in log
