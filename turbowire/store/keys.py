@@ -43,19 +43,9 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
                  max_chunks: int | None = None) -> list[bytes]:
     """The chained hashes of the *full* chunks of ``tokens`` (a partial tail has none)."""
-    if chunk_tokens <= 0:
-        raise StoreKeyError(f"chunk_tokens must be positive (got {chunk_tokens})")
-    n = len(tokens) // chunk_tokens
-    if max_chunks is not None:
-        n = min(n, max_chunks)
-    data = _token_bytes(tokens[: n * chunk_tokens])
-    step = 4 * chunk_tokens
-    out: list[bytes] = []
-    prev = ROOT_HASH
-    for i in range(n):
-        prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()[:CHUNK_HASH_BYTES]
-        out.append(prev)
-    return out
+    if max_chunks is not None and chunk_tokens > 0:
+        tokens = tokens[: max(0, max_chunks) * chunk_tokens]
+    return extend_chunk_hashes([], tokens, chunk_tokens)
 
 
 def extend_chunk_hashes(hashes: list[bytes], tokens: Sequence[int] | np.ndarray,
