@@ -14,6 +14,7 @@ type and range and raises :class:`TransferParamsError` with a message that names
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ from turbowire.errors import TurboWireError
 
 MAX_TOKENS = 1 << 24
 MAX_BLOCKS = 1 << 20
+MAX_LEASE_SECONDS = 86400.0
+MAX_ID_CHARS = 512  # engine and request ids, hosts, presets, hashes
+DEFAULT_LEASE_SECONDS = 30.0
 
 
 class TransferParamsError(TurboWireError, ValueError):
@@ -43,6 +47,10 @@ def _get(params: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> 
     if key not in params or params[key] is None:
         raise TransferParamsError(f"kv_transfer_params.{key} is missing")
     value = params[key]
+    if isinstance(value, str) and len(value) > MAX_ID_CHARS:
+        raise TransferParamsError(
+            f"kv_transfer_params.{key} is {len(value)} characters long (at most {MAX_ID_CHARS})"
+        )
     if isinstance(value, bool) and kind is not bool:
         raise TransferParamsError(f"kv_transfer_params.{key} must be {kind}, got a bool")
     if not isinstance(value, kind):
@@ -68,6 +76,7 @@ class RemotePrefill:
     format_version: int
     prompt_hash: str | None
     fallback: str | None
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], block_size: int) -> RemotePrefill:
@@ -101,6 +110,8 @@ class RemotePrefill:
             raise TransferParamsError(
                 "kv_transfer_params.remote_block_ids must hold non-negative integers"
             )
+        if len(set(raw_slots)) != len(raw_slots):
+            raise TransferParamsError("kv_transfer_params.remote_block_ids holds duplicate slots")
         expected = blocks_for_tokens(num_tokens, block_size)
         if len(raw_slots) != expected:
             raise TransferParamsError(
@@ -112,12 +123,9 @@ class RemotePrefill:
             raise TransferParamsError("kv_transfer_params.tp_size must be a positive integer")
         preset = _get(params, "turbowire_preset", str)
         version = _get(params, "turbowire_format_version", int)
-        prompt_hash = params.get("turbowire_prompt_hash")
-        if prompt_hash is not None and not isinstance(prompt_hash, str):
-            raise TransferParamsError("kv_transfer_params.turbowire_prompt_hash must be a string")
-        fallback = params.get("turbowire_fallback")
-        if fallback is not None and not isinstance(fallback, str):
-            raise TransferParamsError("kv_transfer_params.turbowire_fallback must be a string")
+        prompt_hash = _optional_text(params, "turbowire_prompt_hash")
+        fallback = _optional_text(params, "turbowire_fallback")
+        lease_seconds = _lease_seconds(params.get("turbowire_lease_seconds"))
         return cls(
             engine_id=engine_id,
             request_id=request_id,
@@ -130,7 +138,38 @@ class RemotePrefill:
             format_version=version,
             prompt_hash=prompt_hash,
             fallback=fallback,
+            lease_seconds=lease_seconds,
         )
+
+
+def _optional_text(params: Mapping[str, Any], key: str) -> str | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TransferParamsError(f"kv_transfer_params.{key} must be a string")
+    if len(value) > MAX_ID_CHARS:
+        raise TransferParamsError(
+            f"kv_transfer_params.{key} is {len(value)} characters long (at most {MAX_ID_CHARS})"
+        )
+    return value
+
+
+def _lease_seconds(value: Any) -> float:
+    """The prefill lease the decode side heartbeats against (absent: the default)."""
+    if value is None:
+        return DEFAULT_LEASE_SECONDS
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TransferParamsError(
+            f"kv_transfer_params.turbowire_lease_seconds must be a number, got "
+            f"{type(value).__name__}"
+        )
+    if not math.isfinite(value) or not 0 < value <= MAX_LEASE_SECONDS:
+        raise TransferParamsError(
+            f"kv_transfer_params.turbowire_lease_seconds={value!r} is not in "
+            f"(0, {MAX_LEASE_SECONDS:g}]"
+        )
+    return float(value)
 
 
 def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:

@@ -245,7 +245,7 @@ class TurboWireScheduler:
                         host=remote.host,
                         port=remote.port,
                         remote_request_id=remote.request_id,
-                        interval=max(0.5, float(params.get("turbowire_lease_seconds") or 30) / 3),
+                        interval=max(0.5, remote.lease_seconds / 3),
                     )
             self._start_maintenance()
 

@@ -51,6 +51,8 @@ def test_nixl_field_names_present():
 def test_parse_roundtrip_and_hma_nesting():
     r = RemotePrefill.parse(_params(), block_size=32)
     assert r.slots == (4, 5, 6) and r.num_tokens == 70 and r.port == 5700
+    assert r.lease_seconds == _params()["turbowire_lease_seconds"]
+    assert RemotePrefill.parse(_params(turbowire_lease_seconds=None), 32).lease_seconds == 30.0
     r2 = RemotePrefill.parse(_params(remote_block_ids=[[4, 5, 6]]), block_size=32)
     assert r2.slots == (4, 5, 6)
 
@@ -68,6 +70,17 @@ def test_parse_roundtrip_and_hma_nesting():
         ({"remote_block_ids": "4,5,6"}, "must be a list"),
         ({"turbowire_preset": None}, "turbowire_preset is missing"),
         ({"tp_size": 0}, "tp_size must be a positive integer"),
+        ({"remote_block_ids": [4, 5, 4]}, "duplicate slots"),
+        ({"remote_request_id": "r" * 10_000}, "10000 characters long"),
+        ({"turbowire_fallback": "x" * 600}, "600 characters long"),
+        ({"turbowire_prompt_hash": 7}, "turbowire_prompt_hash must be a string"),
+        ({"turbowire_lease_seconds": "30"}, "turbowire_lease_seconds must be a number"),
+        ({"turbowire_lease_seconds": True}, "must be a number, got bool"),
+        ({"turbowire_lease_seconds": -1}, "not in"),
+        ({"turbowire_lease_seconds": 0}, "not in"),
+        ({"turbowire_lease_seconds": float("nan")}, "not in"),
+        ({"turbowire_lease_seconds": float("inf")}, "not in"),
+        ({"turbowire_lease_seconds": 1e12}, "not in"),
     ],
 )
 def test_malformed_params_name_the_field(over, needle):

@@ -204,6 +204,28 @@ def test_decode_side_refusals_still_release_the_lease():
     sched.shutdown()
 
 
+@pytest.mark.parametrize("lease", ["30", -1, float("nan"), 1e30, [30], {"s": 1}])
+def test_malformed_lease_seconds_is_recomputed_not_raised_in_the_engine_loop(lease):
+    """``turbowire_lease_seconds`` sets the heartbeat interval: it is validated like the rest
+    (it used to be read unchecked in on_new_request, where a bad value raised in vLLM's loop)."""
+    sched = make_scheduler()
+    req = request("d7", 100, _remote_params(100, turbowire_lease_seconds=lease))
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not sched._heartbeats  # nothing to heartbeat for a refused request
+    counters = sched.get_stats().data["counters"]
+    assert any("reason=bad_params" in k for k in counters)
+    sched.shutdown()
+
+
+def test_heartbeat_interval_follows_the_parsed_lease():
+    sched = make_scheduler()
+    req = request("d8", 100, _remote_params(100, turbowire_lease_seconds=6))
+    sched.on_new_request(req)
+    assert sched._heartbeats["d8"].interval == pytest.approx(2.0)
+    sched.shutdown()
+
+
 def test_a_refused_request_is_counted_once_through_its_whole_life():
     """get_num_new_matched_tokens, the allocation and request_finished all look at the params;
     the refusal is one failure, not one per look (request_finished used to re-parse)."""
