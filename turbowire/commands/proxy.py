@@ -35,6 +35,11 @@ def register(app: typer.Typer) -> None:
             help="The engines' store_ttl_seconds: a lookup that hits refreshes the directory "
             "entries to this lifetime, as an engine's lookup does.",
         ),
+        max_body_bytes: int = typer.Option(
+            16 << 20,
+            "--max-body-bytes",
+            help="Largest request body accepted; a larger one gets HTTP 413 before it is read.",
+        ),
     ) -> None:
         """Serve /v1/completions and /v1/chat/completions (streaming or not), /health, /metrics.
 
@@ -48,6 +53,9 @@ def register(app: typer.Typer) -> None:
         store). Anything wrong on that path (Redis down, tokenizer error) falls back to P/D. The
         decision is in the X-TurboWire-Route header, /turbowire/requests/{id} and
         turbowire_proxy_routes_total.
+
+        The proxy forwards a client's prompt and sampling fields, its X-Request-Id (when it is
+        a short plain token) and Authorization header, never a client's own kv_transfer_params.
 
         Examples:
 
@@ -65,6 +73,7 @@ def register(app: typer.Typer) -> None:
             application = build_app(
                 prefill, decode, timeout, directory_url=directory,
                 store_namespace=store_namespace, directory_ttl_seconds=store_ttl_seconds,
+                max_body_bytes=max_body_bytes,
             )
         except ProxyConfigError as exc:
             raise typer.BadParameter(str(exc)) from exc

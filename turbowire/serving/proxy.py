@@ -57,6 +57,15 @@ PREFILL_PARAMS = {
 }
 DROP_FOR_PREFILL = ("stream_options", "min_tokens")
 MAX_RECORDS = 1024
+#: Largest request body the proxy reads (a 128k-token prompt is ~1 MB as text or token ids);
+#: a larger one is refused with 413 before it is parsed. ``--max-body-bytes`` changes it.
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+#: A client's ``X-Request-Id`` travels to both engines (vLLM names the request after it); one
+#: that is too long or holds other characters is replaced by a fresh id.
+_REQUEST_ID_CHARS = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:"
+)
+MAX_REQUEST_ID_CHARS = 128
 
 #: Routing decisions (the ``route`` label, the record's ``route``, ``X-TurboWire-Route``).
 #: ``pd``: no directory configured; ``store_hit``: every full chunk of the prompt is stored, decode
@@ -180,6 +189,42 @@ def _check_urls(kind: str, urls: Sequence[str]) -> list[str]:
             raise ProxyConfigError(f"--{kind} {url!r} is not an http(s) URL with a host")
         out.append(str(url).rstrip("/"))
     return out
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's ``X-Request-Id`` when it is a short plain token, else a fresh one."""
+    if (
+        header
+        and len(header) <= MAX_REQUEST_ID_CHARS
+        and all(c in _REQUEST_ID_CHARS for c in header)
+    ):
+        return header
+    return uuid.uuid4().hex
+
+
+async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request's JSON object, read up to ``max_bytes`` (413 past it, 400 if not JSON)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPException(413, f"request body is {declared} bytes; the proxy accepts at most "
+                                 f"{max_bytes} (--max-body-bytes)")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise HTTPException(413, f"request body is over {max_bytes} bytes, the most the "
+                                     "proxy accepts (--max-body-bytes)")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HTTPException(400, f"request body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise HTTPException(400, "request body must be a JSON object")
+    # kv_transfer_params are the engines' business: a client's own are never forwarded
+    body.pop("kv_transfer_params", None)
+    return body
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -449,7 +494,11 @@ class PDProxy:
         transport: httpx.AsyncBaseTransport | None = None,
         directory: Any | None = None,
         store_namespace: str = DEFAULT_NAMESPACE,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
+        if max_body_bytes < 1:
+            raise ProxyConfigError(f"--max-body-bytes must be positive, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         self.prefill_urls = _check_urls("prefill", prefill_urls)
         self.decode_urls = _check_urls("decode", decode_urls)
         self._p_cycle = itertools.cycle(range(len(self.prefill_urls)))
@@ -497,13 +546,8 @@ class PDProxy:
         self.metrics.route(decision.route, decision.seconds)
 
     async def handle(self, endpoint: str, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            raise HTTPException(400, f"request body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise HTTPException(400, "request body must be a JSON object")
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        body = await read_json_body(request, self.max_body_bytes)
+        request_id = request_id_from(request.headers.get("x-request-id"))
         d_url = self.decode_urls[next(self._d_cycle)]
         stream = bool(body.get("stream"))
         rec = RequestRecord(request_id, endpoint, None, d_url, stream)
@@ -517,8 +561,7 @@ class PDProxy:
         await self._route(rec, endpoint, body, headers)
         if rec.route == "store_hit":
             # the decode engine finds the prefix in the store itself: no prefill, no params
-            d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            return await self._decode(rec, endpoint, d_body, headers, t0)
+            return await self._decode(rec, endpoint, dict(body), headers, t0)
         p_url = self.prefill_urls[next(self._p_cycle)]
         rec.prefill_url = p_url
         tp = time.perf_counter()
@@ -697,6 +740,7 @@ def build_app(
     store_namespace: str = DEFAULT_NAMESPACE,
     directory_ttl_seconds: float = DIRECTORY_TTL_SECONDS,
     directory: Any | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app (``turbowire proxy`` serves it with uvicorn).
 
@@ -704,7 +748,9 @@ def build_app(
     object instead, for tests)."""
     if directory is None and directory_url:
         directory = open_directory(directory_url, directory_ttl_seconds)
-    proxy = PDProxy(prefill_urls, decode_urls, timeout, transport, directory, store_namespace)
+    proxy = PDProxy(
+        prefill_urls, decode_urls, timeout, transport, directory, store_namespace, max_body_bytes
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -517,3 +517,55 @@ def test_an_empty_registry_is_read_again_soon(monkeypatch):
         assert c.post("/v1/completions", json={"prompt": "a"}).headers["x-turbowire-route"] \
             == "store_hit"
     assert directory.engine_reads == 2, "a non-empty registry is cached for the full period"
+
+
+def test_oversized_body_is_refused_before_reaching_an_engine(engines):
+    app = build_app(P_URLS, D_URLS, transport=httpx.MockTransport(engines), max_body_bytes=1000)
+    with TestClient(app) as c:
+        big = {"prompt": "x" * 2000, "max_tokens": 5}
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["detail"]
+
+        def chunked():  # no content-length: the cap applies while reading
+            yield b'{"prompt": "'
+            for _ in range(20):
+                yield b"y" * 100
+            yield b'"}'
+
+        r = c.post("/v1/completions", content=chunked(),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert c.post("/v1/completions", json={"prompt": "ok"}).status_code == 200
+    assert [call[0] for call in engines.calls] == ["p0", "d0"]  # only the small one went out
+
+
+def test_max_body_bytes_must_be_positive():
+    with pytest.raises(ProxyConfigError, match="--max-body-bytes"):
+        build_app(P_URLS, D_URLS, max_body_bytes=0)
+
+
+def test_client_kv_transfer_params_never_reach_an_engine(client, engines):
+    injected = {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 1,
+                "remote_block_ids": [0, 0, 0], "remote_num_tokens": 1 << 30}
+    r = client.post("/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 5, "kv_transfer_params": injected})
+    assert r.status_code == 200
+    (p_call, d_call) = engines.calls
+    assert p_call[2]["kv_transfer_params"]["do_remote_decode"] is True
+    assert "remote_host" not in json.dumps(p_call[2]["kv_transfer_params"]).replace(
+        '"remote_host": null', "")
+    assert d_call[2]["kv_transfer_params"]["remote_host"] == "127.0.0.1"  # the prefill's own
+    assert d_call[2]["kv_transfer_params"]["remote_num_tokens"] == 7
+
+
+@pytest.mark.parametrize("given,kept", [
+    ("req-1.a:b_c", True), ("x" * 129, False), ("a b", False), ("../../etc", False),
+    ("id%2F", False),
+])
+def test_request_id_header_is_kept_only_when_plain(client, engines, given, kept):
+    r = client.post("/v1/completions", json={"prompt": "hi"},
+                    headers={"X-Request-Id": given})
+    assert r.status_code == 200
+    sent = engines.calls[0][3]["x-request-id"]
+    assert (sent == given) is kept
+    assert len(sent) <= 128 and sent == engines.calls[1][3]["x-request-id"]
