@@ -165,7 +165,7 @@ class TurboWireScheduler:
     def set_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Workers registered their staging pools: serve them on the side channel."""
         from turbowire.connector.sidechannel.convert import StagingInfo
-        from turbowire.connector.sidechannel.server import SideChannelServer
+        from turbowire.connector.sidechannel.server import SideChannelServer, SideChannelTLS
 
         staging: dict[int, StagingInfo] = {}
         for (pp_rank, tp_rank), meta in metadata.items():
@@ -199,6 +199,7 @@ class TurboWireScheduler:
                 bind_host=self.config.side_channel_bind,
                 port=self.side_channel_port,
                 auth_token=self.config.auth_token,
+                tls=SideChannelTLS.from_config(self.config),
             ).start()
         self._start_maintenance()
 
@@ -619,9 +620,7 @@ class TurboWireScheduler:
         if self._clients is None:
             from turbowire.connector.sidechannel.client import ClientPool
 
-            self._clients = ClientPool(
-                self.config.auth_token, self.config.handshake_timeout_seconds
-            )
+            self._clients = ClientPool.from_config(self.config)
         for (host, port), ids in due.items():
             try:
                 reply = self._clients.get(host, port).heartbeat(ids, self.engine_id)

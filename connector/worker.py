@@ -121,9 +121,7 @@ class TurboWireWorker:
             self.recv = torch.zeros(self.config.recv_bytes, dtype=torch.uint8, device=device)
             transport.register(self.recv)
             self.recv_ranges = ByteRanges(self.config.recv_bytes)
-            self._clients = ClientPool(
-                self.config.auth_token, self.config.handshake_timeout_seconds
-            )
+            self._clients = ClientPool.from_config(self.config)
             local = LocalEnd(
                 self.engine_id, self.tp_rank, self.record, self.mem_type, self.recv.data_ptr(),
                 max(device.index or 0, 0), self.caches.num_blocks,

@@ -1,18 +1,23 @@
 """Side-channel client: handshake with a peer engine and release/heartbeat its leases.
 
 gRPC errors are mapped to specific exceptions so the connector can count them by reason
-(``incompatible``, ``peer_unreachable``, ``handshake``) and say what to fix.
+(``incompatible``, ``peer_unreachable``, ``handshake``) and say what to fix. Every call carries a
+deadline (``handshake_timeout_seconds``), messages are bounded to ``MAX_MESSAGE_BYTES`` both ways,
+and with a :class:`~turbowire.connector.sidechannel.server.SideChannelTLS` holding a CA bundle the
+channel is TLS, verifying the peer's certificate and host name against that CA only.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 
 import grpc
 
 from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
+from turbowire.connector.config import TurboWireConfig, format_size
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
 from turbowire.connector.sidechannel.convert import (
@@ -20,7 +25,12 @@ from turbowire.connector.sidechannel.convert import (
     record_from_proto,
     record_to_proto,
 )
-from turbowire.connector.sidechannel.server import AUTH_HEADER, FIELD_TRAILER, MAX_MESSAGE_BYTES
+from turbowire.connector.sidechannel.server import (
+    AUTH_HEADER,
+    FIELD_TRAILER,
+    MAX_MESSAGE_BYTES,
+    SideChannelTLS,
+)
 from turbowire.errors import TurboWireError
 
 logger = logging.getLogger(__name__)
@@ -42,6 +52,17 @@ class SideChannelAuthError(SideChannelError):
     """The peer refused our token (or we sent none): set the same auth_token on both engines."""
 
 
+class SideChannelTLSError(SideChannelError):
+    """The TLS handshake with the peer failed: certificates, CA or host name do not match."""
+
+
+class SideChannelMessageTooLargeError(SideChannelError):
+    """A message exceeded ``MAX_MESSAGE_BYTES`` (ours or the peer's) and was not sent/accepted."""
+
+
+_TLS_FAILURE_WORDS = ("ssl", "tls", "handshake", "certificate", "verification")
+
+
 @dataclass(frozen=True)
 class PeerInfo:
     """What a successful handshake tells us about a prefill engine."""
@@ -57,20 +78,47 @@ def _target(host: str, port: int) -> str:
 
 
 class SideChannelClient:
-    """A cached channel to one peer engine's side channel."""
+    """A cached channel to one peer engine's side channel.
 
-    def __init__(self, host: str, port: int, auth_token: str | None, timeout: float) -> None:
+    ``timeout`` bounds every call (a deadline, never None). With ``tls`` holding a CA bundle the
+    channel is TLS, the peer's certificate must be signed by that CA and name ``host`` in its
+    subject alternative names, and ``tls.cert``/``tls.key`` are shown to peers requiring mTLS.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        auth_token: str | None,
+        timeout: float,
+        tls: SideChannelTLS | None = None,
+    ) -> None:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(
+                f"side-channel calls need a finite timeout > 0 seconds, got {timeout!r} "
+                "(handshake_timeout_seconds)"
+            )
         self.host = host
         self.port = port
-        self.timeout = timeout
+        self.timeout = float(timeout)
+        self.secure = tls is not None and tls.ca is not None
         self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
-        self._channel = grpc.insecure_channel(
-            _target(host, port),
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.enable_http_proxy", 0),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.enable_http_proxy", 0),
+        ]
+        if tls is not None and self.secure:
+            self._channel = grpc.secure_channel(
+                _target(host, port), tls.channel_credentials(), options=options
+            )
+        else:
+            self._channel = grpc.insecure_channel(_target(host, port), options=options)
         self._stub = pb_grpc.SideChannelStub(self._channel)
 
     def close(self) -> None:
@@ -84,8 +132,38 @@ class SideChannelClient:
             return SideChannelAuthError(
                 f"{what} refused by {where}: {details} (set the same auth_token on both engines)"
             )
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return PeerUnreachableError(f"{what}: side channel {where} unreachable ({details})")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in (
+            details or ""
+        ):
+            return SideChannelMessageTooLargeError(
+                f"{what} to {where} refused: a side-channel message exceeds the limit of "
+                f"{format_size(MAX_MESSAGE_BYTES)} ({details})"
+            )
+        lowered = (details or "").lower()
+        tls_failed = any(word in lowered for word in _TLS_FAILURE_WORDS)
+        if code == grpc.StatusCode.UNAVAILABLE and self.secure and tls_failed:
+            return SideChannelTLSError(
+                f"{what}: TLS handshake with {where} failed ({details}): the peer's certificate "
+                f"must be signed by this engine's side_channel_tls_ca and name {self.host!r} in "
+                "its subject alternative names; a peer serving plaintext fails this way too"
+            )
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return PeerUnreachableError(
+                f"{what}: side channel {where} did not answer within {self.timeout:g}s "
+                f"(handshake_timeout_seconds) ({details})"
+            )
+        if code == grpc.StatusCode.UNAVAILABLE:
+            hint = ""
+            if "socket closed" in lowered:
+                hint = (
+                    "; the peer may require client certificates (mTLS: side_channel_tls_cert/key "
+                    "signed by its side_channel_tls_ca)"
+                    if self.secure
+                    else "; if the peer serves TLS, set side_channel_tls_ca"
+                )
+            return PeerUnreachableError(
+                f"{what}: side channel {where} unreachable ({details}){hint}"
+            )
         return SideChannelError(f"{what} to {where} failed: {code} {details}")
 
     def handshake(self, record: CompatibilityRecord, engine_id: str, tp_rank: int) -> PeerInfo:
@@ -133,7 +211,6 @@ class SideChannelClient:
         except grpc.RpcError as err:
             raise self._fail("heartbeat", err) from err
 
-
     def pool_status(self) -> pb.PoolStatusReply:
         """The peer's staging pool right now (slots used, leases outstanding)."""
         try:
@@ -147,17 +224,29 @@ class SideChannelClient:
 class ClientPool:
     """One client per (host, port), shared by the threads of a process."""
 
-    def __init__(self, auth_token: str | None, timeout: float) -> None:
+    def __init__(
+        self, auth_token: str | None, timeout: float, tls: SideChannelTLS | None = None
+    ) -> None:
         self._auth_token = auth_token
         self._timeout = timeout
+        self._tls = tls
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: TurboWireConfig) -> ClientPool:
+        """Token, deadline and TLS material (``side_channel_tls_*``) of an engine's config."""
+        return cls(
+            config.auth_token, config.handshake_timeout_seconds, SideChannelTLS.from_config(config)
+        )
 
     def get(self, host: str, port: int) -> SideChannelClient:
         with self._lock:
             client = self._clients.get((host, port))
             if client is None:
-                client = SideChannelClient(host, port, self._auth_token, self._timeout)
+                client = SideChannelClient(
+                    host, port, self._auth_token, self._timeout, self._tls
+                )
                 self._clients[(host, port)] = client
             return client
 

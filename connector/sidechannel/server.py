@@ -4,6 +4,11 @@ It answers handshakes only for compatible peers (the refusal names the differing
 out the NIXL agent metadata and staging geometry of the requested worker, and releases/extends
 leases in the prefill engine's :class:`~turbowire.connector.staging.StagingPool`. With an auth
 token configured, every call must carry ``authorization: Bearer <token>``.
+
+With :class:`SideChannelTLS` (``side_channel_tls_cert``/``_key``) the server speaks TLS only; with
+a CA bundle too (``side_channel_tls_ca``) it also requires client certificates signed by that CA
+(mTLS), refused in the TLS handshake before any call reaches the token check or the service. The
+token is checked over TLS as well. Messages are bounded to ``MAX_MESSAGE_BYTES`` both ways.
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ from typing import Any, Protocol
 import grpc
 
 from turbowire.connector.compat import CompatibilityRecord
+from turbowire.connector.config import (
+    CONFIG_KEYS_BY_NAME,
+    ConnectorConfigError,
+    TurboWireConfig,
+    check_side_channel_tls,
+    read_pem,
+)
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
 from turbowire.connector.sidechannel.convert import (
@@ -34,6 +46,89 @@ AUTH_HEADER = "authorization"
 FIELD_TRAILER = "turbowire-field"
 MAX_IDS_PER_CALL = 65536
 MAX_MESSAGE_BYTES = 32 << 20
+TLS_KEYS = ("side_channel_tls_cert", "side_channel_tls_key", "side_channel_tls_ca")
+
+
+@dataclass(frozen=True, repr=False)
+class SideChannelTLS:
+    """The side channel's TLS material as PEM bytes, read once from the configured files.
+
+    ``cert``/``key``: this engine's certificate chain and private key, the server's identity and
+    the client certificate shown to peers that require mTLS. ``ca``: the bundle peers are verified
+    with; calls to peers use TLS only when it is set, and a server with it requires client
+    certificates signed by it. The host a client dials (``remote_host`` of the peer, i.e. the
+    peer's ``side_channel_host``) must be covered by the subject alternative names of the peer's
+    certificate: gRPC verifies it, and there is no name override.
+    """
+
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConnectorConfigError(
+                "side_channel_tls_cert and side_channel_tls_key go together: set both or neither"
+            )
+
+    def __repr__(self) -> str:  # never the key's bytes in a log line
+        return (
+            f"SideChannelTLS(cert={self.cert is not None}, key={self.key is not None}, "
+            f"ca={self.ca is not None})"
+        )
+
+    @classmethod
+    def from_files(
+        cls, cert: str | None, key: str | None, ca: str | None
+    ) -> SideChannelTLS | None:
+        """Checked and read PEM files; None when none is given (plaintext side channel)."""
+        for name, path in zip(TLS_KEYS, (cert, key, ca), strict=True):
+            CONFIG_KEYS_BY_NAME[name].kind.check(name, path)
+        check_side_channel_tls(cert, key, ca)
+        if cert is None and key is None and ca is None:
+            return None
+        return cls(
+            cert=read_pem("side_channel_tls_cert", cert) if cert is not None else None,
+            key=read_pem("side_channel_tls_key", key) if key is not None else None,
+            ca=read_pem("side_channel_tls_ca", ca) if ca is not None else None,
+        )
+
+    @classmethod
+    def from_config(cls, config: TurboWireConfig) -> SideChannelTLS | None:
+        """The TLS material of ``side_channel_tls_cert``/``_key``/``_ca`` (None: plaintext)."""
+        return cls.from_files(
+            config.side_channel_tls_cert, config.side_channel_tls_key, config.side_channel_tls_ca
+        )
+
+    @property
+    def mode(self) -> str:
+        """How a server with this material serves: ``TLS`` or ``mTLS``."""
+        return "mTLS" if self.ca is not None else "TLS"
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """TLS only; client certificates signed by ``ca`` required when ``ca`` is set."""
+        if self.cert is None or self.key is None:
+            raise ConnectorConfigError(
+                "side_channel_tls_ca is set but side_channel_tls_cert and side_channel_tls_key "
+                "are not: an engine that serves the side channel (kv_producer, kv_both) needs "
+                "its own certificate to serve TLS; set both, or unset side_channel_tls_ca"
+            )
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)],
+            root_certificates=self.ca,
+            require_client_auth=self.ca is not None,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Verify the peer with ``ca`` (never the system roots); show ``cert`` when it asks."""
+        if self.ca is None:
+            raise ConnectorConfigError(
+                "side-channel calls over TLS need side_channel_tls_ca, the CA bundle that "
+                "signed the peers' certificates"
+            )
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 class LeaseHandler(Protocol):
@@ -161,6 +256,7 @@ class SideChannelServer:
         port: int,
         auth_token: str | None,
         max_workers: int = 4,
+        tls: SideChannelTLS | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.record = record
@@ -180,19 +276,28 @@ class SideChannelServer:
         )
         pb_grpc.add_SideChannelServicer_to_server(_Servicer(self), self._server)
         address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
-        bound = self._server.add_insecure_port(address)
+        self.tls_mode = tls.mode if tls is not None else "plaintext"
+        cannot_bind = (
+            f"side channel cannot bind {address}: the port is in use or the address is not "
+            "local; set side_channel_port/side_channel_bind in kv_connector_extra_config"
+        )
+        try:
+            if tls is None:
+                bound = self._server.add_insecure_port(address)
+            else:
+                bound = self._server.add_secure_port(address, tls.server_credentials())
+        except RuntimeError as exc:  # some gRPC versions raise instead of returning 0
+            raise OSError(cannot_bind) from exc
         if bound == 0:
-            raise OSError(
-                f"side channel cannot bind {address}: the port is in use or the address is not "
-                "local; set side_channel_port/side_channel_bind in kv_connector_extra_config"
-            )
+            raise OSError(cannot_bind)
         self.port = bound
         self.address = address
 
     def start(self) -> SideChannelServer:
         self._server.start()
         logger.info(
-            "turbowire side channel of engine %s listening on %s", self.engine_id, self.address
+            "turbowire side channel of engine %s listening on %s (%s)",
+            self.engine_id, self.address, self.tls_mode,
         )
         return self
 

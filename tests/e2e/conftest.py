@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -54,12 +54,20 @@ class PDStack:
     proxy: ManagedProcess
     staging_bytes: int
     prefill_side_port: int
+    side_channel: dict = field(default_factory=dict)  # auth_token, side_channel_tls_* of the pair
 
     def pool_status(self):
-        """The prefill engine's staging pool now, over its real side channel."""
+        """The prefill engine's staging pool now, over its real side channel (with the pair's
+        token and TLS material, as a peer engine calls it)."""
         from turbowire.connector.sidechannel.client import SideChannelClient
+        from turbowire.connector.sidechannel.server import SideChannelTLS
 
-        client = SideChannelClient("127.0.0.1", self.prefill_side_port, None, timeout=10)
+        sc = self.side_channel
+        tls = SideChannelTLS.from_files(sc.get("side_channel_tls_cert"),
+                                        sc.get("side_channel_tls_key"),
+                                        sc.get("side_channel_tls_ca"))
+        client = SideChannelClient("127.0.0.1", self.prefill_side_port, sc.get("auth_token"),
+                                   timeout=10, tls=tls)
         try:
             return client.pool_status()
         finally:
@@ -136,7 +144,10 @@ def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
         d.wait_healthy(900)
         x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
         x.wait_healthy(120)
-        stack = PDStack(preset, p, d, x, staging_bytes, p_side)
+        side_keys = ("auth_token", "side_channel_tls_cert", "side_channel_tls_key",
+                     "side_channel_tls_ca")
+        stack = PDStack(preset, p, d, x, staging_bytes, p_side,
+                        {k: cfg[k] for k in side_keys if k in cfg})
         # Warm-up: handshake + NIXL connection before any timed or compared request.
         stack.complete(x.url, "warm up the connection please", max_tokens=2)
         return group, stack

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from conftest import BLOCK_SIZE, MODEL_NAME, metric_sum, start_stack
+from support.pki import engine_pki
 from test_connector_e2e_raw import pd, prompt_ids, staging_bytes_for
 
 pytestmark = pytest.mark.e2e
@@ -27,10 +28,13 @@ def stack(tiny_model, engine_slot, tmp_path_factory):
     from support.redis_server import RedisServer
 
     with RedisServer() as redis:
+        # the side channel runs mutual TLS with a token, as a hardened deployment would
+        tls = engine_pki(tmp_path_factory.mktemp("pki"))
         group, st = start_stack(
             tiny_model, PRESET, tmp_path_factory.mktemp("logs-tq"), staging_bytes_for(PRESET, 64),
             extra={"load_failure_policy": "recompute", "transport": "both",
-                   "store_url": redis.url, "store_namespace": "pd-both"},
+                   "store_url": redis.url, "store_namespace": "pd-both",
+                   "auth_token": "e2e-side-channel-token", **tls},
         )
         st.redis = redis
         yield st
@@ -170,3 +174,25 @@ def test_prometheus_recording_rule_matches_logged_ratio(stack):
 
     prompts = [prompt_ids(8000 + i, 90 + 57 * i) for i in range(6)]
     check_prometheus_against_pd(stack, MODEL_NAME, prompts, max_tokens=4)
+
+
+def test_side_channel_serves_mutual_tls_and_refuses_plain_callers(stack):
+    """The pair above handshakes over mTLS with a token (every load in this module proves it
+    works); the prefill engine logs the mode, and a caller without the CA-signed certificate,
+    or without the token, learns nothing of its staging pool."""
+    from turbowire.connector.sidechannel.client import SideChannelClient, SideChannelError
+    from turbowire.connector.sidechannel.server import SideChannelTLS
+
+    assert "(mTLS)" in stack.prefill.log_text()
+    sc = stack.side_channel
+    tls = SideChannelTLS.from_files(sc["side_channel_tls_cert"], sc["side_channel_tls_key"],
+                                    sc["side_channel_tls_ca"])
+    for token, client_tls in ((sc["auth_token"], None), (None, tls)):
+        client = SideChannelClient("127.0.0.1", stack.prefill_side_port, token, timeout=5,
+                                   tls=client_tls)
+        try:
+            with pytest.raises(SideChannelError):
+                client.pool_status()
+        finally:
+            client.close()
+    assert stack.pool_status().capacity_slots > 0  # certificate and token: answered
