@@ -157,10 +157,26 @@ def has_draft_kv(spec: Any) -> bool:
     return getattr(spec, "method", None) not in (None, "ngram", "suffix", "medusa")
 
 
+def _json_object(text: str) -> dict[str, Any] | None:
+    """A record's speculative config: {} when empty, None when it is not a JSON object."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _speculative_mismatch(ours: str, theirs: str, sides: tuple[str, str]) -> IncompatiblePeerError:
     """Name the speculative setting that differs (``speculative_config.method``, ...)."""
-    mine = json.loads(ours) if ours else {}
-    peer = json.loads(theirs) if theirs else {}
+    mine, peer = _json_object(ours), _json_object(theirs)
+    if mine is None or peer is None:
+        return IncompatiblePeerError(
+            "speculative_config", ours[:80] or "none", theirs[:80] or "none", sides=sides,
+            message="incompatible peer: speculative_config differs and one side's is not a JSON "
+            "object (a peer of another turbowire version?)",
+        )
     if not mine or not peer:
         def runs(record: dict[str, Any]) -> str:
             return f"runs {record.get('method', '?')!r} with draft KV" if record else "has none"

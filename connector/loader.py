@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 # that landed is decoded, and the groups land one after another instead of all at the end.
 READS_IN_FLIGHT = 2
 
+# Failure reasons that say the cached handshake of the peer may be stale (the prefill engine
+# died, restarted at the same address, or its NIXL agent went away): the next load re-handshakes.
+PEER_FAILURES = frozenset({"transport", "peer_unreachable", "timeout"})
+
 
 class LoadFailed(TurboWireError):
     """A load failed; ``reason`` is the metric label (timeout, lease_expired, bounds, ...)."""
@@ -66,7 +70,7 @@ class LoadJob:
     created: float = field(default_factory=time.monotonic)
     recv_offset: int | None = None
     recv_nbytes: int = 0
-    chunk_offsets: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    chunk_offsets: Mapping[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     groups: list[range] = field(default_factory=list)  # layers of each READ
     xfers: list[Transfer] = field(default_factory=list)  # posted READs, in group order
     group_descs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -79,6 +83,22 @@ class LoadJob:
     handshake_seconds: float = 0.0
     claim: Future | None = None
     claimed: bool = False
+
+
+@dataclass
+class Quarantined:
+    """A failed load's receive range that READs still on the wire may write into.
+
+    It is given back only once every one of those READs has ended (DONE or FAILED: NIXL no
+    longer writes into it), so a late byte can never land in a range another load decodes from;
+    without the hand-back, every load failed on a dead or stalled peer shrank the receive buffer
+    for good until loads could only wait for ``transfer_timeout_seconds``.
+    """
+
+    offset: int
+    nbytes: int
+    xfers: list[Transfer]
+    agent: str
 
 
 def layer_groups(num_layers: int, groups: int) -> list[range]:
@@ -95,9 +115,34 @@ def layer_groups(num_layers: int, groups: int) -> list[range]:
 
 
 
-DecodeGroup = Callable[[LoadRequest, range, int, dict[tuple[int, int], tuple[int, int]]], None]
+class ChunkOffsets(Mapping[tuple[int, int], tuple[int, int]]):
+    """Where each chunk of a load lies in its receive range: ``(block position, layer) ->
+    (offset, bytes)``, backed by two ``[layers, blocks]`` arrays (``offsets``, ``sizes``) that a
+    decode can take whole."""
+
+    def __init__(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        self.offsets = offsets
+        self.sizes = sizes
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int]:
+        bi, layer = key
+        if not (0 <= layer < self.sizes.shape[0] and 0 <= bi < self.sizes.shape[1]):
+            raise KeyError(key)
+        return int(self.offsets[layer, bi]), int(self.sizes[layer, bi])
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for layer in range(self.sizes.shape[0]):
+            for bi in range(self.sizes.shape[1]):
+                yield (bi, layer)
+
+    def __len__(self) -> int:
+        return int(self.sizes.size)
+
+
+DecodeGroup = Callable[[LoadRequest, range, int, Mapping[tuple[int, int], tuple[int, int]]], None]
 """decode(load, layers, recv_offset, chunk_offsets): verify and decode the chunks of ``layers``
-(landed at ``recv_offset + chunk_offsets[(block, layer)]``) into the paged cache, synchronously."""
+(landed at ``recv_offset + chunk_offsets[(block, layer)]``; a ``ChunkOffsets``) into the paged
+cache, synchronously."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +200,8 @@ class KVLoader:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._reports: dict[str, LoadReport] = {}
+        self._quarantine: list[Quarantined] = []
+        self._stale_agents: set[str] = set()  # NIXL agents of forgotten peers, to remove
         self.quarantined_bytes = 0
 
     @property
@@ -185,6 +232,7 @@ class KVLoader:
 
 
     def _progress(self) -> None:
+        self._reclaim()
         if not self._jobs:
             return
         now = time.monotonic()
@@ -261,6 +309,7 @@ class KVLoader:
         info = future.result()  # raises the handshake's error for this job (retried next job)
         self._check_peer_geometry(info, peer)
         agent = self._transport.add_peer(info.staging.agent_metadata)  # main thread only
+        self._stale_agents.discard(agent)  # the same agent answered again: still in use
         elapsed = time.perf_counter() - started
         state = PeerState(info, agent, elapsed)
         self._peers[peer.key] = state
@@ -325,6 +374,21 @@ class KVLoader:
             if off + self.layout.full_chunk_bytes[layer] > staging.slot_bytes:
                 raise LoadFailed("bounds", f"peer slot too small for layer {layer}")
 
+    def _chunk_sizes(self, load: LoadRequest) -> np.ndarray:
+        """Bytes of every chunk, [layers, blocks]: the size depends on the layer, the block's
+        tokens and whether it is a sequence's first block (``chunk_nbytes``), so it is asked
+        once per layer and distinct (tokens, first) pair."""
+        tokens = np.array([b.num_tokens for b in load.blocks], dtype=np.int64)
+        index = np.array([b.index for b in load.blocks], dtype=np.int64)
+        _, rep, inv = np.unique(tokens * 2 + (index == 0), return_index=True,
+                                return_inverse=True)
+        reps = [(int(tokens[i]), int(index[i])) for i in rep]
+        sizes = np.empty((self.geometry.num_layers, len(load.blocks)), dtype=np.int64)
+        for layer in range(self.geometry.num_layers):
+            per_key = np.array([self._chunk_nbytes(layer, t, i) for t, i in reps], np.int64)
+            sizes[layer] = per_key[inv.reshape(-1)]
+        return sizes
+
     def _post(self, job: LoadJob, peer: PeerState) -> bool:
         staging = peer.info.staging
         load = job.load
@@ -341,28 +405,17 @@ class KVLoader:
             if not 0 < block.num_tokens <= self.geometry.block_size:
                 raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
         groups = layer_groups(self.geometry.num_layers, self.config.decode_pipeline_groups)
-        offsets: dict[tuple[int, int], tuple[int, int]] = {}
-        local_rows: list[list[tuple[int, int]]] = []
-        remote_rows: list[list[tuple[int, int, int]]] = []
-        cursor = 0
-        for layers in groups:  # each group's chunks are contiguous in the receive range
-            local_rows.append([])
-            remote_rows.append([])
-            for layer in layers:
-                for bi, block in enumerate(load.blocks):
-                    size = self._chunk_nbytes(layer, block.num_tokens, block.index)
-                    offsets[(bi, layer)] = (cursor, size)
-                    remote_rows[-1].append(
-                        (
-                            staging.base_addr
-                            + block.slot * staging.slot_bytes
-                            + staging.layer_offsets[layer],
-                            size,
-                            staging.device_id,
-                        )
-                    )
-                    local_rows[-1].append((cursor, size))
-                    cursor += size
+        # the groups cover the layers in order, so the receive range holds the chunks
+        # layer-major (each group's chunks contiguous), blocks in load order inside a layer;
+        # built as arrays: a 32k-token load is 65536 chunks (a Python loop took ~1 s)
+        sizes = self._chunk_sizes(load)
+        flat = sizes.reshape(-1)
+        ends = np.cumsum(flat)
+        cursor = int(ends[-1]) if ends.size else 0
+        offsets = ChunkOffsets((ends - flat).reshape(sizes.shape), sizes)
+        slot_arr = np.array(slots, dtype=np.int64)
+        remote_addr = (staging.base_addr + slot_arr[None, :] * staging.slot_bytes
+                       + np.array(staging.layer_offsets, dtype=np.int64)[:, None]).reshape(-1)
         if cursor > self._recv_ranges.capacity:
             raise LoadFailed(
                 "recv_buffer_too_small",
@@ -375,14 +428,19 @@ class KVLoader:
         job.recv_offset, job.recv_nbytes, job.chunk_offsets = start, cursor, offsets
         job.groups = groups
         base = self._recv_base + start
-        device_id = self._recv_device
-        job.group_descs = [
-            (
-                np.array([(base + off, size, device_id) for off, size in local_group], np.uint64),
-                np.array(remote_group, dtype=np.uint64),
-            )
-            for local_group, remote_group in zip(local_rows, remote_rows, strict=True)
-        ]
+        n = len(load.blocks)
+        local_addr = base + offsets.offsets.reshape(-1)
+        job.group_descs = []
+        for layers in groups:
+            lo, hi = layers.start * n, layers.stop * n
+            job.group_descs.append((
+                np.stack([local_addr[lo:hi], flat[lo:hi],
+                          np.full(hi - lo, self._recv_device, np.int64)], axis=1)
+                .astype(np.uint64),
+                np.stack([remote_addr[lo:hi], flat[lo:hi],
+                          np.full(hi - lo, staging.device_id, np.int64)], axis=1)
+                .astype(np.uint64),
+            ))
         job.peer_agent = peer.agent
         job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
         job.wait_seconds = time.monotonic() - job.created
@@ -453,26 +511,84 @@ class KVLoader:
             if not job.decoded[g] and x.state() is TransferState.PENDING
         ]
         if in_flight and job.recv_offset is not None:
-            # A READ may still write into the receive range: never reuse it.
+            # A READ may still write into the receive range: not reused before it ended.
+            self._quarantine.append(
+                Quarantined(job.recv_offset, job.recv_nbytes, in_flight, job.peer_agent)
+            )
             self.quarantined_bytes += job.recv_nbytes
+            logger.warning(
+                "receive range [%d, %d) quarantined: %d READ(s) of the failed load may still "
+                "write into it", job.recv_offset, job.recv_offset + job.recv_nbytes,
+                len(in_flight),
+            )
             job.recv_offset = None
         else:
             self._free_recv(job)
+        if reason in PEER_FAILURES:
+            self._forget_peer(load.peer)
         for g, x in enumerate(job.xfers):
             if not job.decoded[g] and x.state() is not TransferState.PENDING:
                 x.release()
                 job.decoded[g] = True
-        self._release_async(load)
+        self._release_async(load, count_failure=False)  # its failure is counted above
         self._failed.add(load.request_id)
         self._reports[load.request_id] = LoadReport(failed=reason)
+
+    def _reclaim(self) -> None:
+        """Give back quarantined ranges whose READs have all ended; remove the NIXL agents of
+        forgotten peers that no READ uses any more."""
+        if self._quarantine:
+            still: list[Quarantined] = []
+            for q in self._quarantine:
+                if any(x.state() is TransferState.PENDING for x in q.xfers):
+                    still.append(q)
+                    continue
+                for x in q.xfers:
+                    x.release()
+                self._recv_ranges.free(q.offset, q.nbytes)
+                self.quarantined_bytes -= q.nbytes
+                logger.info(
+                    "receive range [%d, %d) reclaimed: the failed load's READs ended",
+                    q.offset, q.offset + q.nbytes,
+                )
+            self._quarantine = still
+        if self._stale_agents:
+            remove = getattr(self._transport, "remove_peer", None)
+            in_use = {p.agent for p in self._peers.values()}
+            in_use |= {q.agent for q in self._quarantine}
+            in_use |= {j.peer_agent for j in self._jobs if j.xfers}
+            for agent in sorted(self._stale_agents - in_use):
+                self._stale_agents.discard(agent)
+                if remove is not None:
+                    try:
+                        remove(agent)
+                    except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+                        logger.info("removing stale NIXL peer %s: %s", agent, exc)
+
+    def _forget_peer(self, peer: PeerAddress) -> None:
+        """Drop the cached handshake of a peer a load just failed on, so the next load with it
+        handshakes again. A prefill engine restarted at the same address under the same
+        ``engine_id`` has a new NIXL agent and staging pool: reusing the cached ones failed every
+        later load with that engine (``transport``) until this engine restarted too."""
+        state = self._peers.pop(peer.key, None)
+        if state is not None:
+            self._stale_agents.add(state.agent)
+            logger.info(
+                "forgetting the handshake with prefill engine %s at %s:%d after a failed load",
+                peer.engine_id, peer.host, peer.port,
+            )
 
     def _free_recv(self, job: LoadJob) -> None:
         if job.recv_offset is not None and self._recv_ranges is not None:
             self._recv_ranges.free(job.recv_offset, job.recv_nbytes)
             job.recv_offset = None
 
-    def _release_async(self, load: LoadRequest) -> None:
-        """Tell the prefill engine it may free the staged slots (fire and forget, logged)."""
+    def _release_async(self, load: LoadRequest, count_failure: bool = True) -> None:
+        """Tell the prefill engine it may free the staged slots (fire and forget, logged).
+
+        A release that does not get through is counted ``peer_unreachable`` unless the load
+        already failed (``count_failure=False``): that load is counted once, by its own reason;
+        counting the release too made one dead prefill engine two failures per request."""
         if self._clients is None:
             return
 
@@ -488,7 +604,8 @@ class KVLoader:
                     )
             except Exception as exc:  # noqa: BLE001 - the lease then expires on its own
                 logger.warning("lease release for %s failed: %s", load.remote_request_id, exc)
-                self.stats.record_failure("peer_unreachable")
+                if count_failure:
+                    self.stats.record_failure("peer_unreachable")
 
         self._executor.submit(call)
 

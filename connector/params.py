@@ -124,6 +124,12 @@ class RemotePrefill:
         preset = _get(params, "turbowire_preset", str)
         version = _get(params, "turbowire_format_version", int)
         prompt_hash = _optional_text(params, "turbowire_prompt_hash")
+        if prompt_hash is None and num_tokens > 0 and raw_slots:
+            # without it, params of another prompt would load that prompt's KV: a wrong answer
+            raise TransferParamsError(
+                "kv_transfer_params.turbowire_prompt_hash is missing (it ties the staged KV to "
+                "the prompt; forward the prefill engine's kv_transfer_params unchanged)"
+            )
         fallback = _optional_text(params, "turbowire_fallback")
         lease_seconds = _lease_seconds(params.get("turbowire_lease_seconds"))
         return cls(

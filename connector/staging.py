@@ -116,8 +116,8 @@ class StagingPool:
         with self._lock:
             for rid in request_ids:
                 lease = self._leases.get(rid)
-                if lease is None:
-                    unknown.append(rid)
+                if lease is None or not 0 <= consumer < lease.consumers:
+                    unknown.append(rid)  # a rank outside the lease's readers frees nothing
                     continue
                 lease.released_by.add(consumer)
                 released.append(rid)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -111,9 +112,7 @@ class TurboWireWorker:
             logger.info("turbowire worker tp%d: %d layers registered, store path only",
                         self.tp_rank, len(self.kv_caches))
             return
-        transport = self.transport = make_transport(
-            self.config, f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{id(self) & 0xFFFF:x}"
-        )
+        transport = self.transport = make_transport(self.config, self._agent_name())
         if self.is_producer:
             self.staging = torch.zeros(self.layout.pool_bytes, dtype=torch.uint8, device=device)
             transport.register(self.staging)
@@ -160,6 +159,14 @@ class TurboWireWorker:
             size = int(self.codec.encoded_nbytes(layer, num_tokens, heads, offset))
             self._sizes[key] = size
         return size
+
+    def _agent_name(self) -> str:
+        """This worker's NIXL agent name, unique per process start. It ended in the low 16 bits
+        of ``id(self)`` (16-byte aligned: 4096 values), so an engine restarted under the same
+        ``engine_id`` could get its old name back; a decode engine still holding the old
+        incarnation's agent then cannot load the new one's metadata (NIXL refuses a second agent
+        of a known name: ``NIXL_ERR_NOT_ALLOWED``) and every load from it fails."""
+        return f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
 
     # ------------------------------------------------------------------ prefill: encode
     def save_kv_layer(

@@ -112,10 +112,11 @@ def test_routing_from_a_real_directory_and_redis_death(redis_srv: RedisServer) -
         for prompt, route, stored in (("half stored", "pd_partial", 256),
                                       ("nothing stored", "pd_miss", 0),
                                       ("short", "pd_short", 0)):
-            r = post(c, prompt, prompt)
+            rid = prompt.replace(" ", "-")  # X-Request-Id: a plain token (spaces are replaced)
+            r = post(c, prompt, rid)
             assert r.headers["x-turbowire-route"] == route
             assert [h for h, _ in engines.completions()] == ["p0", "d0"]
-            assert c.get(f"/turbowire/requests/{prompt}").json()["stored_tokens"] == stored
+            assert c.get(f"/turbowire/requests/{rid}").json()["stored_tokens"] == stored
 
         # Redis dies: every request still answers 200, through P/D, and fast
         redis_srv.kill()

@@ -218,7 +218,7 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, ...
         raise HTTPException(400, f"request body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise HTTPException(400, "request body must be a JSON object")
@@ -280,7 +280,10 @@ def tokenize_request(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | li
                 out[name] = body[name]
         if not body.get("continue_final_message"):
             out.setdefault("add_generation_prompt", True)
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise UnsupportedPrompt("chat_template_kwargs is not an object")
+        kwargs = dict(kwargs)
         effort = body.get("reasoning_effort")
         extra = {"documents": body.get("documents"), "reasoning_effort": effort}
         if effort is not None and "enable_thinking" not in kwargs:
@@ -678,11 +681,14 @@ class PDProxy:
         for line in chunk.split(b"\n"):
             if line.startswith(b"data: {"):
                 try:
-                    usage = json.loads(line[6:]).get("usage")
-                except json.JSONDecodeError:
+                    payload = json.loads(line[6:])
+                except (ValueError, RecursionError):  # a line cut by the chunking, or junk
                     continue
-                if usage:
-                    rec.completion_tokens = usage.get("completion_tokens", rec.completion_tokens)
+                usage = payload.get("usage") if isinstance(payload, dict) else None
+                if isinstance(usage, dict):
+                    tokens = usage.get("completion_tokens")
+                    if isinstance(tokens, int) and not isinstance(tokens, bool):
+                        rec.completion_tokens = tokens
 
     def _done(self, rec: RequestRecord) -> None:
         self.metrics.in_flight(-1)

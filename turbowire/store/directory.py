@@ -139,7 +139,7 @@ class EngineEntry:
                     or not math.isfinite(heartbeat):
                 return None
             return cls(engine_id, role, side, http_url, scope, record, float(heartbeat))
-        except (ValueError, TypeError, KeyError, StoreKeyError):
+        except (ValueError, TypeError, KeyError, StoreKeyError, RecursionError, OverflowError):
             return None
 
 

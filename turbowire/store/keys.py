@@ -135,10 +135,13 @@ class StoreScope:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> StoreScope:
         try:
+            ints = {k: data[k] for k in ("format_version", "chunk_tokens", "tp_size")}
+            bad = [k for k, v in ints.items() if type(v) is not int]
+            if bad:
+                raise TypeError(f"{', '.join(bad)} must be integers")
             return cls(
                 namespace=str(data["namespace"]), model=str(data["model"]),
-                preset=str(data["preset"]), format_version=int(data["format_version"]),  # type: ignore[arg-type]
-                chunk_tokens=int(data["chunk_tokens"]), tp_size=int(data["tp_size"]),  # type: ignore[arg-type]
+                preset=str(data["preset"]), **ints,  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreKeyError(f"malformed store scope {data!r}: {exc}") from exc

@@ -81,6 +81,7 @@ def test_parse_roundtrip_and_hma_nesting():
         ({"turbowire_lease_seconds": float("nan")}, "not in"),
         ({"turbowire_lease_seconds": float("inf")}, "not in"),
         ({"turbowire_lease_seconds": 1e12}, "not in"),
+        ({"turbowire_prompt_hash": None}, "turbowire_prompt_hash is missing"),
     ],
 )
 def test_malformed_params_name_the_field(over, needle):

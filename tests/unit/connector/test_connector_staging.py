@@ -118,3 +118,60 @@ def test_byte_ranges_first_fit_merge_and_double_free():
     assert r.free_bytes == 1024
     with pytest.raises(ValueError, match="double free"):
         r.free(0, 10)
+
+
+# -- faults (issue 17) ---------------------------------------------------------------------------
+
+
+def test_a_heartbeated_lease_does_not_strand_expired_ones_behind_it():
+    """The oldest lease is kept alive by heartbeats for many lease periods; the leases created
+    after it expire on time anyway (reap looks at every lease, not at a queue head), and their
+    slots are reused while the heartbeated one still holds its own."""
+    clock = FakeClock()
+    pool = StagingPool(num_slots=12, lease_seconds=10, clock=clock)
+    pool.reserve("kept", 2)
+    pool.lease("kept")
+    expiries: dict[str, float] = {}
+    for i in range(12):  # a new 2-slot lease every 3 s for 36 s: 24 slots through a pool of 12
+        rid = f"gone-{i}"
+        try:
+            pool.reserve(rid, 2)
+        except StagingFullError:
+            pytest.fail(f"{rid}: slots of expired leases were not given back ({pool.snapshot()})")
+        pool.lease(rid)
+        expiries[rid] = clock.now + 10
+        for _ in range(3):
+            clock.now += 1
+            assert pool.heartbeat(["kept"]) == (["kept"], [])
+            for lease in pool.reap():
+                assert lease.request_id != "kept", "a heartbeated lease expired"
+                assert expiries.pop(lease.request_id) <= clock.now
+            late = [rid for rid, at in expiries.items() if at <= clock.now]
+            assert not late, f"{late} outlived their lease behind the heartbeated one"
+    assert pool.has_lease("kept") and pool.snapshot().leases == 1 + len(expiries)
+    assert pool.snapshot().used_slots == 2 + 2 * len(expiries)
+
+
+def test_a_heartbeat_never_shortens_a_lease_and_cannot_revive_a_reaped_one():
+    clock = FakeClock()
+    pool = StagingPool(num_slots=2, lease_seconds=10, clock=clock)
+    pool.reserve("a", 1)
+    lease = pool.lease("a")
+    first = lease.expires_at
+    clock.now -= 5  # a clock step backwards (or a stale caller): the expiry stays where it was
+    pool.heartbeat(["a"])
+    assert lease.expires_at == first
+    clock.now += 5 + 10
+    assert [x.request_id for x in pool.reap()] == ["a"]
+    assert pool.heartbeat(["a"]) == ([], ["a"])  # the decode engine learns it is gone
+    assert pool.snapshot().used_slots == 0
+
+
+def test_a_request_larger_than_the_whole_pool_falls_back_at_once():
+    """No waiting for slots that can never be free: the reservation fails on an empty pool and
+    takes nothing (the scheduler then falls back to recompute, reason staging_full)."""
+    pool = StagingPool(num_slots=8, lease_seconds=10)
+    with pytest.raises(StagingFullError, match="need 9 slots, 8 free of 8"):
+        pool.reserve("huge", 9)
+    snap = pool.snapshot()
+    assert snap.used_slots == 0 and snap.reserved_requests == 0

@@ -4,6 +4,7 @@ receive range quarantined while a READ may still write; late completions; failur
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -221,7 +222,8 @@ def test_a_range_a_read_may_still_write_is_quarantined_and_late_completions_chan
     assert nbytes > 0 and r.ranges.free_bytes == r.ranges.capacity - nbytes
     r.transport.reads[1].current = TransferState.DONE  # the late READ lands
     assert r.loader.results() == (set(), set()) and not r.decoded
-    assert r.loader.quarantined_bytes == nbytes
+    # ... and only then is the range given back (issue 17: it used to stay lost for good)
+    assert r.loader.quarantined_bytes == 0 and r.ranges.free_bytes == r.ranges.capacity
 
 
 def test_a_load_past_its_deadline_times_out():
@@ -267,3 +269,190 @@ def test_remote_slots_outside_the_peer_pool_are_refused_before_any_read():
     r.loader.start([bad])
     _, failed = drive(r, steps=3)
     assert failed == {"r1"} and r.failures() == {"bounds": 1} and not r.transport.reads
+
+
+# -- faults (issue 17): READs of a dead peer, the receive-buffer quarantine, stale handshakes ----
+#
+# Why an in-flight READ of a dead peer can never write into blocks vLLM gave to another request:
+# a READ only ever targets this engine's receive buffer (``_post`` builds its local descriptors
+# from ``recv_base + range``), never the paged cache; the paged cache is written only by
+# ``_decode_group``, called from ``_advance`` for a live job once its claim held and its READ is
+# DONE. A failed job leaves ``_jobs`` in ``_fail`` (so it is never decoded again), and a range
+# whose READs are still PENDING is quarantined, not freed, so no other load decodes from bytes a
+# late READ may still write. The tests below hold each link of that chain.
+
+
+def _fail_first_group_keep_second_pending(r: Rig, rid: str = "r1") -> int:
+    r.loader.start([request(rid)])
+    r.loader.results()
+    first, second = r.transport.reads[-2:]
+    first.current = TransferState.FAILED
+    second.current = TransferState.PENDING
+    _, failed = drive(r, steps=1, land=False)
+    assert failed == {rid}
+    return r.loader.quarantined_bytes
+
+
+def test_a_quarantined_range_is_not_reused_while_a_read_may_still_write():
+    r = rig()
+    quarantined = _fail_first_group_keep_second_pending(r)
+    offsets: list[tuple[str, int]] = []
+    original = r.loader._decode
+
+    def spy(load, layers, recv_offset, chunk_offsets):
+        offsets.append((load.request_id, recv_offset))
+        original(load, layers, recv_offset, chunk_offsets)
+
+    r.loader._decode = spy
+    # a second load while the stale READ is on the wire: it lands in a disjoint range
+    r.loader.start([request("r2")])
+    stale = r.transport.reads[1]
+    finished, failed = set(), set()
+    for _ in range(20):
+        for x in r.transport.reads[2:]:
+            x.current = TransferState.DONE
+        f, bad = r.loader.results()
+        finished |= f
+        failed |= bad
+    assert finished == {"r2"} and not failed
+    assert {rid for rid, _ in offsets} == {"r2"}, "the failed load is never decoded"
+    r2_offset = offsets[0][1]
+    assert r2_offset >= quarantined, "r2 must not get the quarantined range [0, quarantined)"
+    assert stale.current is TransferState.PENDING and not stale.released
+
+
+def test_a_quarantined_range_is_given_back_once_its_reads_ended():
+    """The dead peer's READ finally fails (UCX notices the peer is gone): the range comes back,
+    the handle is released, and nothing of the failed load is decoded."""
+    r = rig()
+    nbytes = _fail_first_group_keep_second_pending(r)
+    assert nbytes > 0 and r.ranges.free_bytes == r.ranges.capacity - nbytes
+    stale = r.transport.reads[1]
+    stale.current = TransferState.FAILED
+    assert r.loader.results() == (set(), set())
+    assert r.loader.quarantined_bytes == 0 and r.ranges.free_bytes == r.ranges.capacity
+    assert stale.released and not r.decoded
+
+
+def test_a_load_waiting_for_a_quarantined_buffer_goes_ahead_once_it_is_reclaimed():
+    """A receive buffer that fits one load: the failed load's range is quarantined, the next load
+    waits (no READ, no decode) instead of failing, and runs as soon as the stale READ ended."""
+    r0 = rig()
+    r0.loader.start([request("probe")])
+    drive(r0)
+    one_load = r0.loader.take_reports()["probe"].wire_bytes
+    r = rig(recv_bytes=one_load + 64)
+    _fail_first_group_keep_second_pending(r)
+    r.loader.start([request("r2")])
+    for _ in range(3):
+        assert r.loader.results() == (set(), set())
+    assert len(r.transport.reads) == 2, "r2 waits for the buffer, it posts nothing"
+    r.transport.reads[1].current = TransferState.DONE  # the stale READ landed after all
+    finished, failed = drive(r)
+    assert finished == {"r2"} and not failed
+    assert [rid for rid, _ in r.decoded] == ["r2"] * LAYERS
+    assert r.loader.quarantined_bytes == 0 and r.ranges.free_bytes == r.ranges.capacity
+
+
+class RestartingPeer:
+    """Fake transport + client of a prefill engine that restarts under the same engine_id at the
+    same address: each incarnation has its own NIXL agent; READs of a gone agent fail."""
+
+    def __init__(self, layout, record) -> None:
+        self.incarnation = 0
+        self.client = FakeClient(layout, record)
+        self.transport = FakeTransport()
+        self.removed: list[str] = []
+        self.handshakes = 0
+        peer = self
+
+        def handshake(record, engine_id, tp_rank):
+            peer.handshakes += 1
+            info = FakeClient.handshake(self.client, record, engine_id, tp_rank)
+            staging = dataclasses.replace(info.staging,
+                                          agent_metadata=f"md-{peer.incarnation}".encode())
+            return dataclasses.replace(info, staging=staging)
+
+        def add_peer(metadata: bytes) -> str:
+            return "agent-" + metadata.decode()
+
+        def read(agent, local, remote, mem_type, notif=b""):
+            x = FakeTransfer(int(local[:, 1].sum()))
+            if agent != f"agent-md-{peer.incarnation}":
+                x.current = TransferState.FAILED  # NIXL: remote agent disconnected
+            self.transport.reads.append(x)
+            return x
+
+        self.client.handshake = handshake
+        self.transport.add_peer = add_peer
+        self.transport.read = read
+        self.transport.remove_peer = self.removed.append
+
+
+def _restarting_rig() -> tuple[Rig, RestartingPeer]:
+    r = rig()
+    peer = RestartingPeer(r.client.layout, r.client.record)
+    r.loader._transport = peer.transport
+    r.loader._clients = SimpleNamespace(get=lambda host, port: peer.client)
+    r.transport, r.client = peer.transport, peer.client
+    return r, peer
+
+
+def test_a_prefill_engine_restarted_under_the_same_id_is_handshaken_again():
+    r, peer = _restarting_rig()
+    r.loader.start([request("before")])
+    assert drive(r) == ({"before"}, set())
+    peer.incarnation = 1  # SIGKILL + restart: same engine_id, host, port; a new NIXL agent
+    r.loader.start([request("first-after")])
+    finished, failed = drive(r)
+    assert failed == {"first-after"}, "the cached handshake points at the dead agent"
+    assert r.failures() == {"transport": 1}
+    r.loader.start([request("second-after")])
+    finished, failed = drive(r)
+    assert finished == {"second-after"} and not failed, "a fresh handshake, a good load"
+    assert peer.handshakes == 2
+    assert peer.removed == ["agent-md-0"], "the dead agent is dropped from NIXL"
+
+
+def test_a_lease_that_expired_keeps_the_handshake():
+    r = rig()
+    r.client.expired.add("remote-r1")
+    r.loader.start([request("r1")])
+    drive(r)
+    r.loader.start([request("r2")])
+    assert drive(r) == ({"r2"}, set())
+    assert r.client.calls.count("handshake") == 1
+
+
+def test_a_failed_load_whose_release_cannot_get_through_is_counted_once():
+    """A dead prefill engine: the READ fails and so does the lease release after it. One failed
+    load, one count (its own reason), not a second ``peer_unreachable`` for the release."""
+    from turbowire.connector.sidechannel.client import PeerUnreachableError
+
+    r = rig()
+
+    def release(ids, engine_id="", tp_rank=0):
+        raise PeerUnreachableError("side channel 127.0.0.1:5700 unreachable")
+
+    r.client.release = release
+    r.loader.start([request()])
+    r.loader.results()
+    r.transport.reads[0].current = TransferState.FAILED
+    r.transport.reads[1].current = TransferState.FAILED
+    _, failed = drive(r, land=False)
+    assert failed == {"r1"} and r.failures() == {"transport": 1}
+
+
+def test_a_successful_load_whose_release_cannot_get_through_is_counted():
+    from turbowire.connector.sidechannel.client import PeerUnreachableError
+
+    r = rig()
+
+    def release(ids, engine_id="", tp_rank=0):
+        raise PeerUnreachableError("side channel 127.0.0.1:5700 unreachable")
+
+    r.client.release = release
+    r.loader.start([request()])
+    finished, failed = drive(r)
+    assert finished == {"r1"} and not failed
+    assert r.failures() == {"peer_unreachable": 1}  # the lease then expires on the prefill side
