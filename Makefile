@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv lint test test-unit demo eval bench-kernels bench-e2e clean
+.PHONY: setup system-deps venv lint test test-unit fuzz demo eval bench-kernels bench-e2e clean
 
 # build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
 APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
@@ -57,6 +57,14 @@ test: setup lint
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit
+
+# Fuzz every parser of network input (chunk wire format, side-channel messages, kv_transfer_params,
+# store blobs and directory values, proxy bodies) for FUZZ_SECONDS in all; failures are saved under
+# .hypothesis/fuzz-failures and replayed first next time. CI runs a short deterministic slice
+# (tests/unit/test_fuzz_slice.py).
+FUZZ_SECONDS ?= 300
+fuzz: venv
+	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS)
 
 eval: setup
 	$(VENV)/bin/turbowire eval
