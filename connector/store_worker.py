@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -95,6 +95,9 @@ class StoreWorker:
         self._fetches = ThreadPoolExecutor(max_workers=FETCHES_IN_FLIGHT,
                                            thread_name_prefix="tw-store-fetch")
         self._layer_sizes: dict[int, list[int]] = {}
+        self._gpu_saves: bool | None = None  # CUDA caches: saves on a side stream
+        self._side: torch.cuda.Stream | None = None
+        self._copies: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ geometry
     def layer_nbytes(self, token_start: int) -> list[int]:
@@ -120,7 +123,114 @@ class StoreWorker:
 
     # ------------------------------------------------------------------ save
     def save(self, saves: list[StoreSave]) -> None:
-        """Encode the planned chunks now (after the forward pass); store them in the background."""
+        """Encode the planned chunks now (after the forward pass); store them in the background.
+
+        CUDA caches: every chunk of the step in one plan, encoded on a side stream after the
+        forward, copied to pinned host memory there; a background thread waits for that copy
+        and stores the blobs, so the engine thread never waits for the device
+        (``_save_on_side_stream``). Elsewhere each chunk is encoded and stored in turn."""
+        if saves and self._side_stream_saves():
+            try:
+                self._save_on_side_stream(saves)
+                return
+            except TurboWireError as exc:  # one bad chunk: the per-chunk path isolates it
+                logger.info("store save plan refused (%s); saving chunk by chunk", exc)
+        self._save_each(saves)
+
+    def _side_stream_saves(self) -> bool:
+        if self._gpu_saves is None:
+            from turbowire.kernels import triton_dispatch
+
+            self._gpu_saves = self.caches.device.type == "cuda" and all(
+                triton_dispatch.applies(self.codec, t) for t in self.caches.tensors)
+        return self._gpu_saves
+
+    def _save_on_side_stream(self, saves: list[StoreSave]) -> None:
+        """One plan for every chunk of the step (kernels/triton_plans.py), launched on a side
+        stream ordered after the forward by an event, the blobs copied to pinned host memory on
+        that stream; a background thread waits for the copy, puts the chunk headers in and
+        stores them. (Without CUDA, as tests run it under Triton's interpreter: inline.)"""
+        import contextlib
+
+        import numpy as np
+
+        from turbowire.kernels.fp8_cache import resolve_scales
+        from turbowire.kernels.triton_plans import ChunkSet, EncodeLayersPlan
+
+        t0 = time.perf_counter()
+        device = self.caches.device
+        cuda = device.type == "cuda"
+        chunks: list[tuple[StoreChunk, BlobHeader, int]] = []
+        req: list[int] = []
+        total = 0
+        for r, save in enumerate(saves):
+            for chunk in save.chunks:
+                header = self._header(chunk)
+                chunks.append((chunk, header, total))
+                req.append(r)
+                total += -(-header.total_nbytes // 64) * 64
+        if not chunks:
+            return
+        out = np.array([[base + off for off in header.layer_offsets()]
+                        for _c, header, base in chunks], dtype=np.int64).T  # [layers, chunks]
+        cset = ChunkSet([s.block_ids for s in saves], req, [c.token_start for c, _h, _b in chunks],
+                        [self.scope.chunk_tokens] * len(chunks),
+                        [chunk_tag(c.chunk_hash) for c, _h, _b in chunks])
+        layers = list(range(self.geometry.num_layers))
+        if self._copies is None:
+            self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tw-store-d2h")
+        began = copied = None
+        ctx: Any = contextlib.nullcontext()
+        if cuda:
+            if self._side is None:
+                self._side = torch.cuda.Stream(device)
+            side = self._side
+            side.wait_event(torch.cuda.current_stream(device).record_event())  # after forward
+            ctx = torch.cuda.stream(side)
+        with ctx:
+            if cuda:
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(side)
+            # allocated on the side stream: reused only by later side-stream work, i.e. after
+            # the copy below, so nothing needs to hold it
+            blobs = torch.empty(total, dtype=torch.uint8, device=device)
+            plan = EncodeLayersPlan(
+                self.codec, layers, self.caches.tensors, self.caches.layouts[0], cset, out, blobs,
+                kv_scales=[resolve_scales(self.caches.tensors[i], self.caches.kv_scales(i))
+                           for i in layers],
+                layouts=self.caches.layouts)
+            for n, (_c, header, _b) in enumerate(chunks):
+                if plan.written[:, n].tolist() != list(header.layer_nbytes):
+                    raise RuntimeError("codec wrote other sizes than encoded_nbytes promised")
+            plan.launch()
+            if cuda:
+                host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+                host.copy_(blobs, non_blocking=True)
+                copied = torch.cuda.Event(enable_timing=True)
+                copied.record(side)
+            else:
+                host = blobs
+
+        def store() -> None:
+            if began is not None and copied is not None:
+                copied.synchronize()  # this thread waits, the engine thread does not
+                encode_s = began.elapsed_time(copied) / 1e3  # encode + copy on the device
+            else:
+                encode_s = time.perf_counter() - t0
+            buf = host.numpy()
+            for chunk, header, base in chunks:
+                try:
+                    head = header.pack()
+                    data = bytearray(buf[base:base + header.total_nbytes].tobytes())
+                    data[:len(head)] = head
+                    self._put(chunk, bytes(data), t0, encode_s)
+                except Exception as exc:  # noqa: BLE001 - a thread: log and count, never lose
+                    logger.exception("chunk at token %d not stored", chunk.token_start)
+                    self.stats.record_store_failure("save", failure_reason(exc))
+
+        self._copies.submit(store)
+
+    def _save_each(self, saves: list[StoreSave]) -> None:
         from turbowire.kernels import EncodeItem, encode_layers_into
 
         for save in saves:
@@ -313,6 +423,8 @@ class StoreWorker:
         return reports, stored
 
     def close(self) -> None:
+        if self._copies is not None:
+            self._copies.shutdown(wait=True)  # stored blobs already on their way
         self._loads.shutdown(wait=False, cancel_futures=True)
         self._fetches.shutdown(wait=False, cancel_futures=True)
         self.store.close()

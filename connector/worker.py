@@ -2,8 +2,10 @@
 
 Prefill: ``save_kv_layer`` encodes the planned blocks of each layer into the transport-registered
 staging pool as soon as that layer's attention ran; ``wait_for_save`` covers layers vLLM did not
-hand over (e.g. a draft model's) and synchronizes the device so the bytes are final before the
-scheduler publishes them.
+hand over (e.g. a draft model's) and makes the bytes final before the scheduler publishes them.
+On CUDA caches both go through ``connector/gpu_path.py`` (one plan per step, encodes on a side
+stream ordered by events, no host synchronisation); elsewhere (CPU engines, the C codec) they
+encode per layer and ``wait_for_save`` returns once the bytes are written.
 
 Decode: the load state machine is :class:`turbowire.connector.loader.KVLoader`; this module gives
 it the transport, the side-channel clients and the decode of a landed layer group into the paged
@@ -16,11 +18,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
+from turbowire.connector import gpu_path
 from turbowire.connector.caches import EngineCaches
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.loader import KVLoader, LoadFailed, LocalEnd
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from turbowire.connector.gpu_path import GpuPaths
     from turbowire.connector.store_worker import StoreWorker
 
 logger = logging.getLogger(__name__)
@@ -80,6 +85,7 @@ class TurboWireWorker:
         self._step_encode_seconds = 0.0
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tw-worker")
         self._clients = None
+        self.gpu: GpuPaths | None = None  # the CUDA save/load path (connector/gpu_path.py)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -130,6 +136,8 @@ class TurboWireWorker:
                 self.config, self.geometry, self.layout, self.chunk_nbytes, local, transport,
                 self._clients, self.recv_ranges, self._decode_group, self._executor, self.stats,
             )
+        if gpu_path.applies(self.codec, self.caches):
+            self.gpu = self._gpu_paths()
         self.handshake_metadata = TurboWireHandshakeMetadata(
             agent_name=transport.agent_name,
             agent_metadata=transport.local_metadata(),
@@ -148,6 +156,14 @@ class TurboWireWorker:
             self.config.recv_bytes if self.is_consumer else 0, self.mem_type,
         )
 
+    def _agent_name(self) -> str:
+        """This worker's NIXL agent name, unique per process start. It ended in the low 16 bits
+        of ``id(self)`` (16-byte aligned: 4096 values), so an engine restarted under the same
+        ``engine_id`` could get its old name back; a decode engine still holding the old
+        incarnation's agent then cannot load the new one's metadata (NIXL refuses a second agent
+        of a known name: ``NIXL_ERR_NOT_ALLOWED``) and every load from it fails."""
+        return f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+
     def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
         """Exact bytes of the chunk of request block ``block_index`` (the first block of a
         sequence carries extra rows, so the size depends on where the block starts)."""
@@ -160,14 +176,6 @@ class TurboWireWorker:
             self._sizes[key] = size
         return size
 
-    def _agent_name(self) -> str:
-        """This worker's NIXL agent name, unique per process start. It ended in the low 16 bits
-        of ``id(self)`` (16-byte aligned: 4096 values), so an engine restarted under the same
-        ``engine_id`` could get its old name back; a decode engine still holding the old
-        incarnation's agent then cannot load the new one's metadata (NIXL refuses a second agent
-        of a known name: ``NIXL_ERR_NOT_ALLOWED``) and every load from it fails."""
-        return f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
-
     # ------------------------------------------------------------------ prefill: encode
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, meta: TurboWireConnectorMetadata
@@ -177,7 +185,10 @@ class TurboWireWorker:
         layer = self.layer_index.get(layer_name)
         if layer is None or layer in self._saved_layers:
             return
-        self._encode_layer(layer, kv_layer, meta.saves)
+        if self.gpu is not None:  # plans per step, encode on a side stream, no host sync
+            self.gpu.save_layer(layer, meta)
+        else:
+            self._encode_layer(layer, kv_layer, meta.saves)
         self._saved_layers.add(layer)
 
     def wait_for_save(self, meta: TurboWireConnectorMetadata | None) -> None:
@@ -185,6 +196,9 @@ class TurboWireWorker:
             self.store.save(meta.store_saves)
         if meta is None or not meta.saves or self.staging is None:
             self._saved_layers.clear()
+            return
+        if self.gpu is not None:
+            self._finish_gpu_save(meta)
             return
         for layer in range(self.geometry.num_layers):
             if layer not in self._saved_layers:
@@ -207,6 +221,23 @@ class TurboWireWorker:
             preset=self.config.preset,
         )
         self._step_encode_seconds = 0.0
+        self._saved_layers.clear()
+
+    def _gpu_paths(self) -> GpuPaths:
+        return gpu_path.GpuPaths(self.codec, self.geometry, self.layout, self.caches,
+                                 self.staging, self.recv, self.chunk_nbytes)
+
+    def _finish_gpu_save(self, meta: TurboWireConnectorMetadata) -> None:
+        """The GPU path's ``wait_for_save``: the layers vLLM did not hand over are encoded, the
+        current stream waits for the side stream (no host sync, see connector/gpu_path.py);
+        sizes come from the plan, encode times from CUDA events once they have completed."""
+        assert self.gpu is not None and self.caches is not None
+        tokens, wire = self.gpu.finish(meta)
+        self.stats.record_send(TRANSPORT, self.config.preset,
+                               tokens * self.caches.dense_bytes_per_token(), wire)
+        for seconds in self.gpu.encode_seconds():
+            self.stats.observe("encode_seconds", seconds, transport=TRANSPORT,
+                               preset=self.config.preset)
         self._saved_layers.clear()
 
     def _encode_layer(self, layer: int, cache: torch.Tensor, saves: list[SaveRequest]) -> None:
@@ -278,10 +309,13 @@ class TurboWireWorker:
         return self.stats.clone_and_reset()
 
     def _decode_group(self, load: LoadRequest, layers: range, recv_offset: int,
-                      chunk_offsets: dict[tuple[int, int], tuple[int, int]]) -> None:
+                      chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> None:
         """Verify and decode the chunks of ``layers`` (one landed READ) into the cache."""
         from turbowire.kernels import DecodeItem, decode_into
 
+        if self.gpu is not None:  # one plan per load, one synchronisation per group
+            self.gpu.decode_group(load, layers, recv_offset, chunk_offsets)
+            return
         assert self.recv is not None and self.caches is not None
         bs = self.geometry.block_size
         table = load.block_ids

@@ -18,6 +18,10 @@ same bytes as the reference codec and raise the same exceptions:
 * the reference (``turbowire.codec`` with vectorised torch gather/scatter) everywhere else; on
   CPU the multi-layer variants loop over the per-layer calls.
 
+The connector's GPU path takes the Triton implementation directly through
+``kernels/triton_plans.py``: plans of the same chunks in every layer, built from arrays, launched
+per layer or batched, with no host synchronisation before a decode's ``check``.
+
 Layouts: ``PagedKVLayout`` (``kernels/paged.py``) describes vLLM's paged caches (gather/scatter
 of the reference path). The CPU attention layouts module, ``kernels/cpu_attn_layout.py``
 (``CpuAttnKVLayout``, ``cpu_attn_layout``), learns where vLLM's CPU attention backend really

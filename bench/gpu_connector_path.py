@@ -1,0 +1,1012 @@
+"""The connector's worker-side GPU path, driven as vLLM's model runner drives it (issue 18).
+
+Run on the GPU machine with its system python (torch + triton, no vLLM, no NIXL, no gRPC):
+``python3 bench/gpu_connector_path.py --out $OUT``. The worker is built through its own
+constructor from minimal stand-ins of vLLM's config objects (stub modules replace the few vLLM
+classes turbowire imports when vLLM is not installed), with a fake transport and fake
+side-channel clients; everything between vLLM's calls and the kernels is the real code.
+
+1. Bit-exactness on the GPU: ``bench/kernels.py``'s kernel checks (EncodePlan/DecodePlan vs the
+   reference codec on the same GPU) for the presets, then the connector path itself: a small
+   model's chunks staged by ``save_kv_layer`` (per-layer and batched launches) byte-equal to the
+   reference codec's, decoded by the loader through ``_decode_group`` equal (bitwise) to the
+   reference decode, a corrupt chunk refused with nothing of its group written.
+2. Prefill: Llama-3.1-8B layer shapes (32 layers, hidden 4096, intermediate 14336, 32 q heads,
+   8 KV heads x hd128, block size 16, vLLM's GPU cache layout [2, blocks, 16, 8, 128] per layer,
+   block ids shuffled), a stand-in forward of bf16 matmuls (qkv, o, gate_up, down) with the
+   layer's KV written into the paged cache, ``save_kv_layer`` after each layer's "attention"
+   and ``wait_for_save`` after the last, as vLLM calls them. Times (CUDA events on the forward
+   stream, median): forward alone, forward + save path (per-layer launches; one batched launch;
+   per-layer + a host sync at the end of wait_for_save; the pre-plan path of one ``encode_into``
+   per layer), the difference as % of the forward; the encode kernels alone (one launch).
+3. Decode: the same request loaded by a decode worker (its ``KVLoader`` with READs that land at
+   once, the bytes already in the receive buffer) from ``start_load_kv`` to finished, per
+   request, vs the one-launch decode (verify + decode of every chunk) of the same bytes.
+
+At 4k and 32k tokens, presets tq4 and k4v3, with the connector's launch shape for 16-token
+chunks (``gpu_path.default_kernel_config``; ``--sweep`` times the shapes of CONFIGS first and
+checks each against the default shape's bytes). Prints a table; writes results.json,
+results.md and log.txt under --out ($OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = os.environ.get("TW_BENCH_SMOKE") == "1"  # CPU + Triton interpreter, tiny shapes
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+# ------------------------------------------------------------------------------------------
+# imports: turbowire from the source tree, stand-ins for vLLM where it is not installed
+# ------------------------------------------------------------------------------------------
+def _stub_vllm() -> None:
+    """The vLLM names turbowire's worker side imports, as plain classes."""
+    from abc import ABC
+    from dataclasses import dataclass as dc
+    from dataclasses import field as fld
+
+    def mod(name: str) -> types.ModuleType:
+        m = sys.modules.get(name)
+        if m is None:
+            m = types.ModuleType(name)
+            m.__path__ = []  # type: ignore[attr-defined]
+            sys.modules[name] = m
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(mod(parent), child, m)
+        return m
+
+    base = mod("vllm.distributed.kv_transfer.kv_connector.v1.base")
+
+    class KVConnectorMetadata(ABC):  # noqa: B024
+        pass
+
+    class KVConnectorHandshakeMetadata(ABC):  # noqa: B024
+        pass
+
+    class KVConnectorWorkerMetadata(ABC):  # noqa: B024
+        pass
+
+    base.KVConnectorMetadata = KVConnectorMetadata
+    base.KVConnectorHandshakeMetadata = KVConnectorHandshakeMetadata
+    base.KVConnectorWorkerMetadata = KVConnectorWorkerMetadata
+    metrics = mod("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+
+    @dc
+    class KVConnectorStats:
+        data: dict = fld(default_factory=dict)
+
+    metrics.KVConnectorStats = KVConnectorStats
+    ps = mod("vllm.distributed.parallel_state")
+
+    def get_tensor_model_parallel_rank() -> int:
+        raise AssertionError("no vLLM parallel state in this benchmark")
+
+    ps.get_tensor_model_parallel_rank = get_tensor_model_parallel_rank
+    kvi = mod("vllm.v1.kv_cache_interface")
+
+    @dc
+    class AttentionSpec:
+        block_size: int
+        num_kv_heads: int
+        head_size: int
+        dtype: Any
+        sliding_window: int | None = None
+
+    class FullAttentionSpec(AttentionSpec):
+        pass
+
+    class MLAAttentionSpec(AttentionSpec):
+        pass
+
+    @dc
+    class KVCacheGroupSpec:
+        layer_names: list
+        kv_cache_spec: Any
+
+    @dc
+    class KVCacheConfig:
+        num_blocks: int
+        kv_cache_tensors: list
+        kv_cache_groups: list
+
+    for c in (AttentionSpec, FullAttentionSpec, MLAAttentionSpec, KVCacheGroupSpec,
+              KVCacheConfig):
+        setattr(kvi, c.__name__, c)
+
+
+def _stub_side_channel() -> None:
+    """The gRPC side channel's client module (grpc is not on the GPU machine): the loader gets
+    fake clients below, the worker only builds a pool."""
+    m = types.ModuleType("turbowire.connector.sidechannel.client")
+
+    class ClientPool:
+        @classmethod
+        def from_config(cls, config: Any) -> ClientPool:
+            return cls()
+
+        def __init__(self, *a: Any, **k: Any) -> None:
+            pass
+
+        def get(self, host: str, port: int) -> Any:
+            raise RuntimeError("the benchmark installs fake clients")
+
+        def close(self) -> None:
+            pass
+
+    m.ClientPool = ClientPool
+    m.PeerInfo = SimpleNamespace
+    sys.modules[m.__name__] = m
+
+
+def bootstrap() -> str:
+    """Import turbowire (installed, else from this tree); returns how."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        _stub_vllm()
+    try:
+        import turbowire.connector.worker  # noqa: F401
+
+        how = "installed"
+    except ImportError:
+        for name in [n for n in sys.modules if n == "turbowire" or n.startswith("turbowire.")]:
+            del sys.modules[name]
+        pkg = types.ModuleType("turbowire")
+        pkg.__path__ = [str(REPO / "turbowire")]  # type: ignore[attr-defined]
+        sys.modules["turbowire"] = pkg
+        for name in ("codec", "kernels", "connector"):
+            spec = importlib.util.spec_from_file_location(
+                f"turbowire.{name}", REPO / name / "__init__.py",
+                submodule_search_locations=[str(REPO / name)])
+            assert spec is not None and spec.loader is not None
+            m = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = m
+            setattr(pkg, name, m)
+            spec.loader.exec_module(m)
+        how = "source tree"
+    try:
+        import grpc  # noqa: F401
+
+        import turbowire.connector.sidechannel.client  # noqa: F401
+    except ImportError:
+        _stub_side_channel()
+    return how
+
+
+HOW = bootstrap()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from turbowire.codec import Codec  # noqa: E402
+from turbowire.connector import worker as worker_mod  # noqa: E402
+from turbowire.connector.config import TurboWireConfig  # noqa: E402
+from turbowire.connector.geometry import block_tag  # noqa: E402
+from turbowire.connector.loader import ChunkOffsets  # noqa: E402
+from turbowire.connector.metadata import (  # noqa: E402
+    LoadBlock,
+    LoadRequest,
+    PeerAddress,
+    SaveBlock,
+    SaveRequest,
+    TurboWireConnectorMetadata,
+)
+from turbowire.connector.transports.base import TransferState  # noqa: E402
+from turbowire.kernels import DecodeItem, EncodeItem, decode_into, encode_into  # noqa: E402
+from turbowire.kernels.triton_plans import ChunkSet, DecodeLayersPlan  # noqa: E402
+
+DEVICE = "cpu" if SMOKE else "cuda"
+MODEL = dict(layers=32, hidden=4096, inter=14336, q_heads=32, kv_heads=8, head_dim=128)
+BLOCK = 16
+TOKENS = [4096, 32768]
+PRESETS = ["tq4", "k4v3"]
+if SMOKE:
+    MODEL = dict(layers=3, hidden=256, inter=512, q_heads=2, kv_heads=1, head_dim=128)
+    TOKENS = [40]
+    PRESETS = ["tq4"]
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------
+# stand-ins: vLLM config objects, transport, side-channel clients
+# ------------------------------------------------------------------------------------------
+def layer_names(n: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+def make_worker(preset: str, role: str, engine_id: str, num_blocks: int, pool_bytes: int,
+                layers: int, heads: int, dim: int):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    extra = {"preset": preset, "staging_bytes": pool_bytes, "recv_bytes": pool_bytes,
+             "decode_pipeline_groups": 8}
+    ktc = SimpleNamespace(kv_connector="TurboWireConnector", kv_role=role,
+                          kv_connector_extra_config=extra, engine_id=engine_id,
+                          is_kv_producer=role in ("kv_producer", "kv_both"),
+                          is_kv_consumer=role in ("kv_consumer", "kv_both"),
+                          is_kv_transfer_instance=True)
+    vcfg = SimpleNamespace(
+        kv_transfer_config=ktc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
+        model_config=SimpleNamespace(model="/m/Llama-3.1-8B", served_model_name="llama"),
+        speculative_config=None, compilation_config=SimpleNamespace(static_forward_context={}))
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=dim,
+                             dtype=torch.bfloat16)
+    kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names(layers), spec)])
+    cfg = TurboWireConfig.from_extra_config(extra, environ={})
+    return worker_mod.TurboWireWorker(vcfg, kcfg, cfg, engine_id)
+
+
+class FakeTransfer:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def state(self) -> TransferState:
+        return TransferState.DONE  # the bytes are in the receive buffer already
+
+    def release(self) -> None:
+        pass
+
+
+class FakeTransport:
+    name = "fake"
+    agent_name = "bench-agent"
+
+    def register(self, tensor: Any) -> None:
+        pass
+
+    def local_metadata(self) -> bytes:
+        return b""
+
+    def add_peer(self, metadata: bytes) -> str:
+        return "prefill-agent"
+
+    def read(self, peer: str, local: Any, remote: Any, mem_type: str, notif: bytes = b""):
+        return FakeTransfer(int(local[:, 1].sum()))
+
+    def close(self) -> None:
+        pass
+
+
+class FakeClient:
+    def __init__(self, prefill) -> None:
+        self.p = prefill
+
+    def handshake(self, record: Any, engine_id: str, tp_rank: int):
+        p = self.p
+        staging = SimpleNamespace(
+            agent_name="prefill-agent", agent_metadata=b"", base_addr=p.staging.data_ptr(),
+            slot_bytes=p.layout.slot_bytes, num_slots=p.layout.num_slots,
+            layer_offsets=tuple(p.layout.layer_offsets), device_id=0, mem_type=p.mem_type)
+        return SimpleNamespace(engine_id="prefill", record=p.record, staging=staging,
+                               lease_seconds=30.0)
+
+    def heartbeat(self, ids: list[str], engine_id: str = ""):
+        return SimpleNamespace(unknown=[])
+
+    def release(self, ids: list[str], engine_id: str = "", tp_rank: int = 0):
+        return SimpleNamespace(unknown=[])
+
+
+class InlineExecutor:
+    """Runs the loader's side-channel calls inline (their network time is not the path's)."""
+
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001
+            f.set_exception(exc)
+        return f
+
+
+worker_mod.make_transport = lambda config, name: FakeTransport()  # no NIXL here
+
+
+def wire_loader(d, p) -> None:
+    client = FakeClient(p)
+    d.loader._clients = SimpleNamespace(get=lambda host, port: client)
+    d.loader._executor = InlineExecutor()
+
+
+# ------------------------------------------------------------------------------------------
+# requests
+# ------------------------------------------------------------------------------------------
+def save_meta(rid: str, block_ids: list[int], ntok: int, slot0: int = 0):
+    blocks = []
+    for i in range((ntok + BLOCK - 1) // BLOCK):
+        blocks.append(SaveBlock(i, block_ids[i], min(BLOCK, ntok - i * BLOCK), slot0 + i,
+                                block_tag(rid, i)))
+    return TurboWireConnectorMetadata(saves=[SaveRequest(rid, list(block_ids), blocks)])
+
+
+def load_meta(rid: str, remote: str, save: SaveRequest, block_ids: list[int], preset: str):
+    peer = PeerAddress("prefill", "127.0.0.1", 1, 1)
+    blocks = [LoadBlock(b.index, block_ids[b.index], b.num_tokens, b.slot, b.tag)
+              for b in save.blocks]
+    return TurboWireConnectorMetadata(loads=[LoadRequest(rid, remote, peer, blocks, preset,
+                                                         list(block_ids))])
+
+
+def fill_recv(d, p, save: SaveRequest, offset: int = 0) -> ChunkOffsets:
+    """Put the request's chunks into the decode worker's receive buffer where its loader will
+    READ them (layer-major, blocks in order), with one strided copy per (layer, size class)."""
+    n_l = p.geometry.num_layers
+    sizes = np.array([[p.chunk_nbytes(layer, b.num_tokens, b.index) for b in save.blocks]
+                      for layer in range(n_l)], dtype=np.int64)
+    flat = sizes.reshape(-1)
+    offs = (np.cumsum(flat) - flat).reshape(sizes.shape)
+    slots = [b.slot for b in save.blocks]
+    slot_bytes = p.layout.slot_bytes
+    st = p.staging
+    for layer in range(n_l):
+        lo = p.layout.layer_offsets[layer]
+        i = 0
+        while i < len(slots):
+            j = i
+            while (j + 1 < len(slots) and sizes[layer, j + 1] == sizes[layer, i]
+                   and slots[j + 1] == slots[j] + 1):
+                j += 1
+            k, size = j - i + 1, int(sizes[layer, i])
+            src = st[slots[i] * slot_bytes:(slots[j] + 1) * slot_bytes].view(k, slot_bytes)
+            dst_at = offset + int(offs[layer, i])
+            d.recv[dst_at:dst_at + k * size].view(k, size).copy_(src[:, lo:lo + size])
+            i = j + 1
+    return ChunkOffsets(offs, sizes)
+
+
+# ------------------------------------------------------------------------------------------
+# 1. bit-exactness of the connector path vs the reference codec, on this device
+# ------------------------------------------------------------------------------------------
+def connector_check(preset: str, log) -> dict[str, Any]:
+    """A small model (4 layers, 8 KV heads, hd128), two requests (one partial block, one
+    starting mid-sequence), per-layer and batched saves, loads in 2 groups."""
+    out: dict[str, Any] = {"preset": preset}
+    layers, heads, dim, nb = (3, 1, 128, 64) if SMOKE else (4, 8, 128, 64)
+    ntok_a, ntok_b = (40, 60) if SMOKE else (300, 200)
+    names = layer_names(layers)
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    src = {n: (torch.randn(2, nb, BLOCK, heads, dim, generator=g, device=DEVICE) * 1.5
+               + torch.linspace(-2, 2, dim, device=DEVICE)).to(torch.bfloat16) for n in names}
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(3)).tolist()
+    ids_a, ids_b = perm[:20], perm[20:40]
+    meta = save_meta("a", ids_a, ntok_a)
+    mb = save_meta("b", ids_b, ntok_b, slot0=len(meta.saves[0].blocks))
+    sb = mb.saves[0]
+    sb.blocks = sb.blocks[2:]  # "b" computed its first 2 blocks in an earlier step
+    meta.saves.append(sb)
+    stagings = {}
+    for mode in ("layer", "batched"):
+        p = make_worker(preset, "kv_producer", f"P-check-{mode}", nb, 8 << 20, layers, heads, dim)
+        p.register_kv_caches(src)
+        assert p.gpu is not None or SMOKE, "the GPU path must serve CUDA caches"
+        if SMOKE:
+            from turbowire.connector import gpu_path
+
+            p.gpu = gpu_path.GpuPaths(p.codec, p.geometry, p.layout, p.caches, p.staging, None,
+                                      p.chunk_nbytes)
+        p.gpu.mode = mode
+        for name in names[:-1]:  # the last layer is left to wait_for_save
+            p.save_kv_layer(name, src[name], meta)
+        p.wait_for_save(meta)
+        sync()
+        stagings[mode] = p
+    p = stagings["layer"]
+    ref = torch.zeros_like(p.staging)
+    bad = []
+    for layer, name in enumerate(names):
+        items = [EncodeItem(s.block_ids, b.index * BLOCK, b.num_tokens,
+                            p.layout.chunk_offset(b.slot, layer), b.tag)
+                 for s in meta.saves for b in s.blocks]
+        written = encode_into(p.codec, layer, src[name], p.caches.layouts[layer], items, ref,
+                              impl="reference")
+        for it, n in zip(items, written):
+            for mode, w in stagings.items():
+                a = w.staging[it.out_offset:it.out_offset + n]
+                if not torch.equal(a, ref[it.out_offset:it.out_offset + n]):
+                    bad.append(f"{mode} layer {layer} token {it.token_start}")
+    out["encode_bitexact"] = not bad
+    out["encode_mismatch"] = bad[:4]
+    # decode request "a" (and then a corrupt copy) through the decode worker's loader
+    d = make_worker(preset, "kv_consumer", "D-check", nb, 8 << 20, layers, heads, dim)
+    dst = {n: torch.full((2, nb, BLOCK, heads, dim), 7.0, device=DEVICE).to(torch.bfloat16)
+           for n in names}
+    d.register_kv_caches(dst)
+    if SMOKE:
+        from turbowire.connector import gpu_path
+
+        d.gpu = gpu_path.GpuPaths(d.codec, d.geometry, d.layout, d.caches, None, d.recv,
+                                  d.chunk_nbytes)
+    d.config = _with_groups(d.config, 2)
+    d.loader.config = d.config
+    wire_loader(d, p)
+    save = meta.saves[0]
+    dids = perm[40:60]
+    offsets = fill_recv(d, p, save)
+    lm = load_meta("da", "a", save, dids, preset)
+    d.start_load_kv(lm)
+    fin, failed = _drain(d)
+    ref_dst = {n: torch.full_like(dst[n], 7.0) for n in names}
+    for layer, name in enumerate(names):
+        items = [DecodeItem(dids, b.index * BLOCK, b.num_tokens, offsets[(bi, layer)][0],
+                            offsets[(bi, layer)][1], b.tag) for bi, b in enumerate(save.blocks)]
+        decode_into(d.codec, layer, ref_dst[name], d.caches.layouts[layer], items, d.recv,
+                    impl="reference")
+    out["load_finished"] = fin == {"da"} and not failed
+    out["decode_bitexact"] = all(torch.equal(dst[n], ref_dst[n]) for n in names)
+    # corrupt a body byte of the last layer: its group (layers 2, 3) fails, nothing written
+    at = offsets[(1, layers - 1)][0] + 100
+    d.recv[at] ^= 0x40
+    for n in names:
+        dst[n].fill_(7.0)
+    d.start_load_kv(load_meta("db", "a", save, dids, preset))
+    fin, failed = _drain(d)
+    report = d.take_reports().reports.get("db")
+    out["corruption_refused"] = (failed == {"db"} and report is not None
+                                 and report.failed == "checksum")
+    group_of_last = [g for g in _groups(layers, 2) if layers - 1 in g][0]
+    out["corrupt_group_untouched"] = all(bool((dst[names[i]].float() == 7.0).all())
+                                         for i in group_of_last)
+    out["ok"] = bool(out["encode_bitexact"] and out["load_finished"] and out["decode_bitexact"]
+                     and out["corruption_refused"] and out["corrupt_group_untouched"])
+    log(f"[connector check] {preset}: {json.dumps(out)}")
+    for w in (*stagings.values(), d):
+        w.shutdown()
+    return out
+
+
+class MemStore:
+    """An in-memory chunk store (the LMCache tiers' put/get)."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[tuple[bytes, int], bytes] = {}
+
+    def put(self, scope: Any, chunk_hash: bytes, rank: int, data: bytes, on_done=None) -> bool:
+        self.blobs[(chunk_hash, rank)] = bytes(data)
+        if on_done is not None:
+            on_done(True, None)
+        return True
+
+    def get(self, scope: Any, chunk_hash: bytes, rank: int) -> bytes | None:
+        return self.blobs.get((chunk_hash, rank))
+
+    def close(self) -> None:
+        pass
+
+
+def store_check(preset: str, log) -> dict[str, Any]:
+    """The store path's save (wait_for_save): every chunk of a step encoded on a side stream and
+    copied to pinned memory there, stored by a background thread; the blobs must equal the
+    chunk-by-chunk path's."""
+    import hashlib
+
+    from turbowire.connector.metadata import StoreChunk, StoreSave
+    from turbowire.connector.stats import TurboWireConnectorStats
+    from turbowire.connector.store_worker import StoreWorker
+    from turbowire.store.keys import StoreScope
+
+    layers, heads, dim, nb = (3, 1, 128, 32) if SMOKE else (4, 8, 128, 64)
+    chunk = 32 if SMOKE else 256
+    names = layer_names(layers)
+    g = torch.Generator(device=DEVICE).manual_seed(13)
+    src = {n: torch.randn(2, nb, BLOCK, heads, dim, generator=g, device=DEVICE)
+           .to(torch.bfloat16) for n in names}
+    p = make_worker(preset, "kv_producer", f"P-store-{preset}", nb, 8 << 20, layers, heads, dim)
+    p.register_kv_caches(src)
+    ids = torch.randperm(nb, generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = TurboWireConfig(transport="store", store_chunk_tokens=chunk, preset=preset)
+    scope = StoreScope("bench", "llama", preset, 1, chunk, 1)
+    starts = [0, chunk, 3 * chunk] if not SMOKE else [0, chunk]
+    saves = [StoreSave("r", ids, [StoreChunk(t, hashlib.sha256(str(t).encode()).digest()[:16])
+                                  for t in starts])]
+    blobs = []
+    out: dict[str, Any] = {"preset": preset}
+    for side in (True, False):
+        st = MemStore()
+        w = StoreWorker(cfg, p.geometry, p.codec, scope, 0, p.caches, TurboWireConnectorStats(),
+                        store=st, directory=None)
+        t0 = time.perf_counter()
+        if side:
+            w.save(saves)
+            out["side_stream_path"] = bool(w._gpu_saves)
+            out["engine_thread_ms"] = (time.perf_counter() - t0) * 1e3
+        else:
+            w._save_each(saves)
+        w.close()  # waits for the background stores
+        blobs.append(st.blobs)
+    out["blobs"] = len(blobs[0])
+    out["ok"] = bool(blobs[0] == blobs[1] and len(blobs[0]) == len(starts))
+    log(f"[store check] {preset}: {json.dumps(out)}")
+    p.shutdown()
+    return out
+
+
+def _groups(layers: int, groups: int) -> list[range]:
+    from turbowire.connector.loader import layer_groups
+
+    return layer_groups(layers, groups)
+
+
+def _with_groups(config: TurboWireConfig, groups: int) -> TurboWireConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, decode_pipeline_groups=groups)
+
+
+def _drain(d, limit: float = 60.0) -> tuple[set[str], set[str]]:
+    finished: set[str] = set()
+    failed: set[str] = set()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        f, x = d.get_transfer_results()
+        finished |= f
+        failed |= x
+        if d.loader is None or not d.loader.pending:
+            break
+    return finished, failed
+
+
+# ------------------------------------------------------------------------------------------
+# 2. prefill: stand-in forward with the save path
+# ------------------------------------------------------------------------------------------
+@dataclass
+class Forward:
+    """bf16 matmuls of one Llama-3.1-8B layer (weights shared by the layers: they are far
+    larger than L2 either way) and the layer's KV write into the paged cache."""
+
+    tokens: int
+    caches: dict[str, torch.Tensor]
+    slot_mapping: torch.Tensor
+    w: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        h, i = MODEL["hidden"], MODEL["inter"]
+        kv = MODEL["kv_heads"] * MODEL["head_dim"]
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+
+        def weight(a: int, b: int) -> torch.Tensor:
+            return (torch.randn(a, b, generator=g, device=DEVICE) / a ** 0.5).to(torch.bfloat16)
+
+        self.w = {"qkv": weight(h, h + 2 * kv), "o": weight(h, h), "gu": weight(h, 2 * i),
+                  "d": weight(i, h)}
+        self.x0 = torch.randn(self.tokens, h, generator=g, device=DEVICE).to(torch.bfloat16)
+
+    def run(self, worker, meta) -> None:
+        h = MODEL["hidden"]
+        kvh, hd = MODEL["kv_heads"], MODEL["head_dim"]
+        kv = kvh * hd
+        x = self.x0
+        for name, cache in self.caches.items():
+            qkv = x @ self.w["qkv"]
+            k = qkv[:, h:h + kv].reshape(-1, kvh, hd)
+            v = qkv[:, h + kv:].reshape(-1, kvh, hd)
+            # vLLM's reshape_and_cache: token t into slot_mapping[t] of the layer's paged cache
+            cache[0].view(-1, kvh, hd).index_copy_(0, self.slot_mapping, k)
+            cache[1].view(-1, kvh, hd).index_copy_(0, self.slot_mapping, v)
+            if worker is not None:
+                worker.save_kv_layer(name, cache, meta)  # vLLM: at the end of the attention op
+            o = qkv[:, :h] @ self.w["o"]
+            gu = o @ self.w["gu"]
+            x = gu[:, :MODEL["inter"]] @ self.w["d"]
+        if worker is not None:
+            worker.wait_for_save(meta)
+
+
+def time_step(fn, iters: int) -> list[float]:
+    """ms per call, CUDA events on the current stream around fn (which includes
+    wait_for_save's join), a host sync after each call (the step boundary)."""
+    out = []
+    for _ in range(iters):
+        if DEVICE == "cuda":
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def bench_ms(fn) -> float:
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+# launch shapes tried for the connector's block-sized chunks (16 tokens): the default tiles are
+# 32 rows (4 warps x 32 threads / 4 lanes per row), half of them empty for a 16-token chunk
+CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "w2-t16": dict(num_warps=2, tile_rows=16),
+    "w1-t16": dict(num_warps=1, tile_rows=16),
+}
+BEST: dict[str, tuple[str, str]] = {}  # preset -> (encode config, decode config), from 4k
+SWEEP = False  # --sweep: time the launch shapes above (they compile; a minute per preset)
+
+
+def gpu_path_default(block_size: int):
+    from turbowire.connector.gpu_path import default_kernel_config
+
+    return default_kernel_config(block_size)
+
+
+def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
+    from turbowire.kernels.triton_dispatch import KernelConfig
+
+    r: dict[str, Any] = {"tokens": tokens, "preset": preset}
+    layers, heads, dim = MODEL["layers"], MODEL["kv_heads"], MODEL["head_dim"]
+    names = layer_names(layers)
+    nblk = (tokens + BLOCK - 1) // BLOCK
+    nb = nblk + 64
+    codec = Codec(preset, dim, layers)
+    pool = (sum(codec.encoded_nbytes(i, BLOCK, heads) + 64 for i in range(layers))
+            * (nblk + 8))
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    src = {n: torch.randn(2, nb, BLOCK, heads, dim, generator=g, device=DEVICE)
+           .to(torch.bfloat16) for n in names}
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(7)).tolist()
+    p_ids = perm[:nblk]
+    d_ids = perm[::-1][:nblk]
+    t = torch.arange(tokens)
+    slot_mapping = (torch.tensor(p_ids)[t // BLOCK] * BLOCK + t % BLOCK).to(DEVICE)
+    p = make_worker(preset, "kv_producer", f"P-{preset}-{tokens}", nb, pool, layers, heads, dim)
+    p.register_kv_caches(src)
+    d_caches = {n: torch.zeros(2, nb, BLOCK, heads, dim, device=DEVICE, dtype=torch.bfloat16)
+                for n in names}
+    d = make_worker(preset, "kv_consumer", f"D-{preset}-{tokens}", nb, pool, layers, heads, dim)
+    d.register_kv_caches(d_caches)
+    if SMOKE:
+        from turbowire.connector import gpu_path
+
+        p.gpu = gpu_path.GpuPaths(p.codec, p.geometry, p.layout, p.caches, p.staging, None,
+                                  p.chunk_nbytes)
+        d.gpu = gpu_path.GpuPaths(d.codec, d.geometry, d.layout, d.caches, None, d.recv,
+                                  d.chunk_nbytes)
+    wire_loader(d, p)
+    fwd = Forward(tokens, src, slot_mapping)
+    rid = f"req-{tokens}"
+
+    host_us: list[float] = []
+    real_save = p.save_kv_layer
+
+    def timed_save(name, cache, meta):
+        t0 = time.perf_counter()
+        real_save(name, cache, meta)
+        host_us.append((time.perf_counter() - t0) * 1e6)
+
+    def step(variant: str):
+        # a new metadata object each step, as vLLM's scheduler sends (made outside the timing)
+        meta = save_meta(rid, p_ids, tokens)
+
+        def fn() -> None:
+            if variant == "forward":
+                fwd.run(None, None)
+                return
+            p.gpu.mode = "batched" if variant == "batched" else "layer"
+            if variant == "legacy":  # the pre-plan path: encode_into once per layer
+                gpu, p.gpu = p.gpu, None
+                try:
+                    fwd.run(p, meta)
+                finally:
+                    p.gpu = gpu
+                return
+            fwd.run(p, meta)
+            if variant == "layer+sync" and DEVICE == "cuda":
+                torch.cuda.current_stream().synchronize()
+        return fn
+
+    # ---- stage the request (default launch shape), put it in the decode worker's receive
+    # buffer, decode it once: the references for the launch shapes tried below (the staging
+    # is poisoned first, as before every comparison: padding bytes are never written)
+    p.staging.fill_(0xA5)
+    step("layer")()
+    sync()
+    meta = save_meta(rid, p_ids, tokens)
+    save = meta.saves[0]
+    ref_staging = p.staging.clone()
+    offsets = fill_recv(d, p, save)
+    dchunks = ChunkSet([d_ids], np.zeros(len(save.blocks), np.int64),
+                       [b.index * BLOCK for b in save.blocks],
+                       [b.num_tokens for b in save.blocks], [b.tag for b in save.blocks])
+
+    def dplan_for(cfg):
+        return DecodeLayersPlan(d.codec, range(layers), d.caches.tensors, d.caches.layouts[0],
+                                dchunks, offsets.offsets, offsets.sizes, d.recv, cfg)
+
+    dp = dplan_for(None)
+    dp.launch()
+    dp.check()
+    ref_dst = {n: d_caches[n].clone() for n in names}
+    # ---- launch shapes: encode (all layers, one launch) and decode (one launch) per shape
+    sweep: dict[str, dict[str, Any]] = {}
+    for cname, kw in (CONFIGS.items() if SWEEP and preset not in BEST else ()):
+        cfg = KernelConfig(**kw) if kw else None
+        p.gpu.kernel_config = cfg
+        st = p.gpu._build_step(save_meta(rid, p_ids, tokens))
+        p.staging.fill_(0xA5)
+        for pl, _ in st.plans:
+            pl.launch()
+        dq = dplan_for(cfg)
+        for n in names:
+            d_caches[n].zero_()
+        dq.launch()
+        dq.check()
+        sync()
+        sweep[cname] = {
+            "encode_ms": bench_ms(lambda: [pl.launch() for pl, _ in st.plans]),
+            "decode_ms": bench_ms(dq.launch),
+            "staging_equal": bool(torch.equal(p.staging, ref_staging)),
+            "decode_equal": all(torch.equal(d_caches[n], ref_dst[n]) for n in names),
+        }
+        log(f"  launch shape {cname}: {sweep[cname]}")
+    if sweep:
+        ok = {k: v for k, v in sweep.items() if v["staging_equal"] and v["decode_equal"]}
+        BEST[preset] = (min(ok, key=lambda k: ok[k]["encode_ms"]),
+                        min(ok, key=lambda k: ok[k]["decode_ms"]))
+        r["launch_shapes"] = sweep
+    if preset in BEST:  # the launch shapes that won above
+        enc_name, dec_name = BEST[preset]
+        p.gpu.kernel_config = KernelConfig(**CONFIGS[enc_name]) if CONFIGS[enc_name] else None
+        d.gpu.kernel_config = KernelConfig(**CONFIGS[dec_name]) if CONFIGS[dec_name] else None
+    else:  # the connector's own choice (gpu_path.default_kernel_config)
+        p.gpu.kernel_config = gpu_path_default(BLOCK)
+        d.gpu.kernel_config = gpu_path_default(BLOCK)
+        c = p.gpu.kernel_config
+        enc_name = dec_name = ("connector default" if c is None else
+                               f"connector default w{c.num_warps}-t{c.tile_rows}")
+    r["encode_config"], r["decode_config"] = enc_name, dec_name
+    dec_cfg = d.gpu.kernel_config
+
+    # ---- 2. prefill: forward alone vs forward + save path, interleaved
+    variants = ["forward", "layer", "batched", "layer+sync"]
+    for v in variants + ["legacy"]:  # warm-up: kernels compiled, allocator and plans warm
+        step(v)()
+    sync()
+    p.save_kv_layer = timed_save
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(iters):  # interleaved, so drift hits every variant alike
+        for v in variants:
+            times[v] += time_step(step(v), 1)
+    p.save_kv_layer = real_save
+    times["legacy"] = time_step(step("legacy"), max(2, iters // 6))
+    med = {v: statistics.median(x) for v, x in times.items()}
+    fw = med["forward"]
+    r["forward_ms"] = fw
+    for v in ("layer", "batched", "layer+sync", "legacy"):
+        r[f"{v}_ms"] = med[v]
+        r[f"{v}_pct"] = 100 * (med[v] - fw) / fw
+    r["spread_forward_ms"] = [min(times["forward"]), max(times["forward"])]
+    r["spread_layer_ms"] = [min(times["layer"]), max(times["layer"])]
+    r["iters"] = iters
+    r["host_us_per_save_kv_layer"] = statistics.median(host_us) if host_us else None
+    r["host_us_mean_save_kv_layer"] = statistics.mean(host_us) if host_us else None
+    r["host_us_max_save_kv_layer"] = max(host_us) if host_us else None
+    r["host_us_first_save_kv_layer"] = (statistics.median(host_us[::layers])
+                                        if host_us else None)
+    # the encode kernels alone: the step plan's one launch per policy, all layers
+    builds = []
+    for _ in range(3):
+        m = save_meta(rid, p_ids, tokens)
+        t0 = time.perf_counter()
+        plan_step = p.gpu._build_step(m)
+        builds.append((time.perf_counter() - t0) * 1e3)
+    r["host_ms_step_plan_build"] = statistics.median(builds)
+    r["encode_one_launch_ms"] = bench_ms(lambda: [pl.launch() for pl, _ in plan_step.plans])
+    r["encode_per_layer_launches_ms"] = bench_ms(
+        lambda: [pl.launch_layer(i) for pl, fam in plan_step.plans for i in range(len(fam))])
+    r["wire_MB"] = plan_step.wire_bytes / 1e6
+    r["dense_MB"] = tokens * p.caches.dense_bytes_per_token() / 1e6
+    # staging bytes equal across the per-layer, batched and legacy paths (every chunk)
+    stg = []
+    for v in ("layer", "batched", "legacy"):
+        p.staging.fill_(0xA5)
+        step(v)()
+        sync()
+        stg.append(bool(torch.equal(ref_staging, p.staging)))
+    r["staging_equal_layer_batched_legacy"] = stg
+    del ref_staging
+
+    # ---- 3. the decode side: the same request through the decode worker's loader
+    fill_recv(d, p, save)
+
+    def load_once(i: int) -> tuple[float, float]:
+        lm = load_meta(f"d{i}", rid, save, d_ids, preset)
+        sync()
+        t0 = time.perf_counter()
+        d.start_load_kv(lm)
+        fin, failed = set(), set()
+        while f"d{i}" not in fin:
+            f, x = d.get_transfer_results()
+            fin |= f
+            failed |= x
+        wall = (time.perf_counter() - t0) * 1e3
+        if failed:
+            raise RuntimeError(f"load failed: {d.take_reports().reports}")
+        rep = d.take_reports().reports[f"d{i}"]
+        return wall, rep.decode_seconds * 1e3
+
+    for i in range(3):
+        load_once(-1 - i)  # handshake, compile, warm
+    loads = [load_once(i) for i in range(max(5, iters))]
+    r["load_ms"] = statistics.median(x[0] for x in loads)
+    r["load_decode_groups_ms"] = statistics.median(x[1] for x in loads)
+    r["decode_equal_reference_shape"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+    builds = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dplan = dplan_for(dec_cfg)
+        builds.append((time.perf_counter() - t0) * 1e3)
+    r["host_ms_load_plan_build"] = statistics.median(builds)
+    t0 = time.perf_counter()
+    d.loader._chunk_sizes(load_meta("x", rid, save, d_ids, preset).loads[0])
+    r["host_ms_loader_chunk_sizes"] = (time.perf_counter() - t0) * 1e3
+    # the one-launch decode of the same bytes (verify + decode of every chunk, no readback)
+    dplan.launch()
+    dplan.check()
+    r["decode_one_launch_ms"] = bench_ms(dplan.launch)
+    r["load_vs_one_launch"] = r["load_ms"] / r["decode_one_launch_ms"]
+    r["load_decode_vs_one_launch"] = r["load_decode_groups_ms"] / r["decode_one_launch_ms"]
+    # decoded KV vs the prefill's source under the codec (the error of the preset)
+    full = max(1, min(4, tokens // BLOCK))  # whole blocks only
+    k_src = src[names[1]][0][torch.tensor(p_ids[:full])].float()
+    k_dst = d_caches[names[1]][0][torch.tensor(d_ids[:full])].float()
+    r["decoded_rel_err_layer1_k"] = float((k_src - k_dst).norm() / k_src.norm())
+    log(f"  {tokens:6d} tok {preset:5s}: forward {fw:.2f} ms | layer {r['layer_pct']:+.2f}% "
+        f"batched {r['batched_pct']:+.2f}% layer+sync {r['layer+sync_pct']:+.2f}% legacy "
+        f"{r['legacy_pct']:+.2f}% | encode 1-launch {r['encode_one_launch_ms']:.3f} ms "
+        f"({enc_name}) | load {r['load_ms']:.3f} ms (decode groups "
+        f"{r['load_decode_groups_ms']:.3f}) vs 1-launch {r['decode_one_launch_ms']:.3f} ms "
+        f"({dec_name}) = {r['load_vs_one_launch']:.2f}x | host "
+        f"{r['host_us_per_save_kv_layer']:.0f} us/layer, step plan "
+        f"{r['host_ms_step_plan_build']:.2f} ms, load plan {r['host_ms_load_plan_build']:.2f} ms")
+    for w in (p, d):
+        w.shutdown()
+    fwd.w.clear()
+    del src, d_caches, ref_dst
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return r
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| tokens | preset | forward ms | + save, per-layer launches | + save, one batched "
+            "launch | per-layer + host sync | pre-plan path (encode_into per layer) "
+            "| encode kernels alone ms | load ms/request | decode groups ms "
+            "| one-launch decode ms | load / one-launch |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['preset']} | {r['forward_ms']:.2f} "
+            f"| {r['layer_ms']:.2f} ({r['layer_pct']:+.2f}%) "
+            f"| {r['batched_ms']:.2f} ({r['batched_pct']:+.2f}%) "
+            f"| {r['layer+sync_ms']:.2f} ({r['layer+sync_pct']:+.2f}%) "
+            f"| {r['legacy_ms']:.2f} ({r['legacy_pct']:+.2f}%) "
+            f"| {r['encode_one_launch_ms']:.3f} ({r['encode_config']}) | {r['load_ms']:.3f} "
+            f"| {r['load_decode_groups_ms']:.3f} | {r['decode_one_launch_ms']:.3f} "
+            f"({r['decode_config']}) "
+            f"| {r['load_vs_one_launch']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path,
+                    default=Path(os.environ.get("OUT", "bench/results/gpu_connector_path")))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--iters", type=int, default=0, help="timed steps per variant (0: auto)")
+    ap.add_argument("--skip-kernel-check", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the launch shapes of CONFIGS at 4k and use the fastest")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds after which no further case starts (0: none)")
+    args = ap.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
+    args.out.mkdir(parents=True, exist_ok=True)
+    logf = open(args.out / "log.txt", "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    import triton
+
+    env = {"gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (interpreter)",
+           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+           "python": sys.version.split()[0], "turbowire": HOW, "command": " ".join(sys.argv)}
+    log(json.dumps(env))
+    report: dict[str, Any] = {"env": env, "checks": [], "kernel_checks": [], "results": []}
+
+    def save() -> None:
+        (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+
+    presets = [x for x in args.presets.split(",") if x]
+    t0 = time.time()
+    if not args.skip_kernel_check:  # bench/kernels.py's checks (kernels vs the reference)
+        spec = importlib.util.spec_from_file_location("tw_bench_kernels", REPO / "bench" /
+                                                      "kernels.py")
+        assert spec is not None and spec.loader is not None
+        kb = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = kb
+        spec.loader.exec_module(kb)
+        for preset in presets:
+            for layout in ("LBNHC", "LBHNC"):
+                c = kb.run_check(kb.CheckCase(preset, 128, 8, layout))
+                c.pop("traceback", None)
+                report["kernel_checks"].append(c)
+                log(f"[kernel check] {c['case']}: ok={c.get('ok')} enc={c.get('encode_bitexact')}"
+                    f" dec={c.get('decode_bitexact')} {c.get('error', '')}")
+        save()
+    if not args.skip_check:
+        for preset in presets:
+            try:
+                report["checks"].append(connector_check(preset, log))
+                report["checks"].append(store_check(preset, log))
+            except Exception as exc:  # noqa: BLE001
+                log(f"[connector check] {preset} failed: {exc}\n{traceback.format_exc()}")
+                report["checks"].append({"preset": preset, "ok": False, "error": repr(exc)})
+            save()
+    log(f"checks done in {time.time() - t0:.0f}s")
+    for tokens in [int(x) for x in args.tokens.split(",") if x]:
+        for preset in presets:
+            iters = args.iters or (30 if tokens <= 8192 else 6)
+            if args.deadline and time.time() - t0 > args.deadline:
+                log(f"{tokens} {preset}: skipped, past the --deadline")
+                continue
+            try:
+                report["results"].append(run_case(tokens, preset, log, iters))
+            except Exception as exc:  # noqa: BLE001
+                log(f"{tokens} {preset} failed: {exc}\n{traceback.format_exc()}")
+            save()
+    ok = all(c.get("ok") for c in report["checks"] + report["kernel_checks"])
+    md = ["## GPU connector path (issue 18)", "", f"`{env['command']}` on {env['gpu']}, torch "
+          f"{env['torch']}, triton {env['triton']}, CUDA {env['cuda']}", "",
+          f"bit-exact on this GPU: {'yes' if ok else 'NO'} (kernel checks "
+          f"{sum(bool(c.get('ok')) for c in report['kernel_checks'])}/"
+          f"{len(report['kernel_checks'])}, connector checks "
+          f"{sum(bool(c.get('ok')) for c in report['checks'])}/{len(report['checks'])})", "",
+          table(report["results"])]
+    (args.out / "results.md").write_text("\n".join(md) + "\n")
+    save()
+    log("\n".join(md))
+    log(f"total {time.time() - t0:.0f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""The worker's GPU data path: encode plans per scheduler step on a side stream, decode plans per
+load, no host synchronisation on the save path.
+
+Save (prefill). The first ``save_kv_layer`` of a step builds one plan for the step's saves
+(``kernels/triton_plans.EncodeLayersPlan``: block tables, chunk token ranges, tags and the
+staging offsets of every layer, validated once with vectorised checks and uploaded from pinned
+memory in one non-blocking copy per table on the side stream). Each layer's call then records an
+event on the current (forward) stream after the layer's KV write, makes the side stream wait for
+it and launches that layer's encode there (``mode="layer"``): layer i's encode runs while layer
+i+1 computes. ``mode="batched"`` launches all layers once, in ``wait_for_save``. ``finish``
+launches the layers vLLM did not hand over, then makes the current stream wait for the side
+stream: an event wait, not a host synchronisation. That is enough for the staging bytes to be
+final before a decode engine READs them: the scheduler only publishes a request (its
+``request_finished`` params) after it got the step's sampled tokens, and those are computed on
+the current stream after the wait (and copied to the host after them), so by the time the host
+sees them the encodes have run. Encoded sizes come from the codec (``encoded_nbytes``), checked
+against the plan once per build, never read back from the device. Encode time is measured with
+CUDA events and read when they have completed (``event.query()``), never waited for.
+
+Load (decode). The first landed group of a load builds one decode plan for all its chunks
+(``DecodeLayersPlan``); each group then verifies its chunks (one launch), decodes them straight
+into the paged cache (one launch per layer policy; nothing of the group is written if a chunk
+fails) and reads one flag back: one synchronisation per group.
+
+Used only where every cache is a CUDA cache the Triton kernels serve (``applies``); CPU engines
+keep the C codec path of ``worker.py``. Tests drive it on CPU (Triton's interpreter) with
+``force=True``: the same plans, launched inline without streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from turbowire.codec import Codec
+    from turbowire.connector.caches import EngineCaches
+    from turbowire.connector.geometry import KVGeometry, StagingLayout
+    from turbowire.connector.metadata import LoadRequest, SaveRequest
+    from turbowire.kernels.triton_plans import DecodeLayersPlan, EncodeLayersPlan
+
+logger = logging.getLogger(__name__)
+
+MODES = ("layer", "batched")
+# save_kv_layer calls of a step that only note their layer; the next call builds the step's plan
+# and launches the noted layers too. Building at the first layer stalled the GPU: vLLM's host
+# is then barely one layer ahead (bf16 Llama-3.1-8B, 4k tokens: a layer is ~2.7 ms on an H200,
+# the plan ~2.3 ms of host time); two layers later the queue covers it.
+DEFER_LAYERS = 2
+
+
+def default_kernel_config(block_size: int) -> Any:
+    """The launch shape for block-sized chunks: 2 warps and 16-row tiles for blocks of <= 16
+    tokens (the default 32-row tiles run half empty; H200, Llama-3.1-8B shapes, 4k tokens:
+    encode 2.21 -> 1.31 ms, decode 0.71 -> 0.46 ms, bench/gpu_connector_path.py), else the
+    kernels' default."""
+    from turbowire.kernels.triton_dispatch import KernelConfig
+
+    return KernelConfig(num_warps=2, tile_rows=16) if block_size <= 16 else None
+MAX_LOAD_PLANS = 16  # loads decoding at once (a failed load's plan is evicted in age order)
+MAX_PENDING_TIMINGS = 8  # steps whose encode time is still being measured
+
+
+def applies(codec: Codec, caches: EngineCaches) -> bool:
+    """Whether the GPU path serves these caches: all of them CUDA caches the kernels serve."""
+    from turbowire.kernels import triton_dispatch
+
+    return caches.device.type == "cuda" and all(
+        triton_dispatch.applies(codec, t) for t in caches.tensors)
+
+
+@dataclass
+class _Family:
+    """Layers whose caches share dtype, layout and strides: one plan covers them."""
+
+    layers: list[int]
+    layout: Any
+
+
+@dataclass
+class _SaveStep:
+    meta: Any
+    plans: list[tuple[EncodeLayersPlan, list[int]]]
+    where: dict[int, tuple[int, int]]  # layer -> (plan index, position in the plan)
+    tokens: int
+    wire_bytes: int
+    launched: set[int] = field(default_factory=set)
+    timings: list[tuple[Any, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _LoadPlans:
+    load: Any
+    recv_offset: int
+    plans: list[tuple[DecodeLayersPlan, list[int]]]
+    left: set[int]
+
+
+class GpuPaths:
+    """Save and load of one worker's paged caches through the Triton plans (see the module)."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        geometry: KVGeometry,
+        layout: StagingLayout,
+        caches: EngineCaches,
+        staging: torch.Tensor | None,
+        recv: torch.Tensor | None,
+        chunk_nbytes: Any,
+        *,
+        mode: str = "layer",
+        kernel_config: Any = "auto",
+        timing: bool = True,
+        defer_layers: int = DEFER_LAYERS,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.codec = codec
+        self.geometry = geometry
+        self.layout = layout
+        self.caches = caches
+        self.staging = staging
+        self.recv = recv
+        self.chunk_nbytes = chunk_nbytes
+        self.mode = mode
+        self.kernel_config = (default_kernel_config(geometry.block_size)
+                              if kernel_config == "auto" else kernel_config)
+        self.defer_layers = defer_layers
+        self._noted: tuple[Any, list[int]] | None = None  # (meta, layers) before the plan
+        self.device = caches.device
+        self.cuda = self.device.type == "cuda"
+        self.timing = timing and self.cuda
+        self.side: torch.cuda.Stream | None = (
+            torch.cuda.Stream(self.device) if self.cuda else None)
+        fams: dict[tuple[Any, ...], _Family] = {}
+        for layer, cache in enumerate(caches.tensors):
+            lay = caches.layouts[layer]
+            key = (cache.dtype, lay, tuple(lay.views(cache)[0].stride()))
+            fams.setdefault(key, _Family([], lay)).layers.append(layer)
+        self.families = list(fams.values())
+        self._step: _SaveStep | None = None
+        self._pending: list[list[tuple[Any, Any]]] = []
+        self._loads: OrderedDict[int, _LoadPlans] = OrderedDict()
+
+    # ------------------------------------------------------------------ helpers
+    def _scales(self, layer: int) -> Any:
+        from turbowire.kernels.fp8_cache import resolve_scales
+
+        return resolve_scales(self.caches.tensors[layer], self.caches.kv_scales(layer))
+
+    def _check_sizes(self, layers: Sequence[int], written: np.ndarray, chunks: Any) -> None:
+        """The plan's sizes against ``encoded_nbytes`` and the slot room, once per layer and
+        distinct (tokens, first block) pair: the check the worker made per chunk and call."""
+        bs = self.geometry.block_size
+        _, inv = chunks.size_keys()
+        _, reps = np.unique(inv, return_index=True)  # one chunk of each size key
+        for pos, layer in enumerate(layers):
+            limit = self.layout.full_chunk_bytes[layer]
+            for i in reps.tolist():
+                n = int(written[pos, i])
+                want = self.chunk_nbytes(layer, int(chunks.tokens[i]),
+                                         int(chunks.start[i]) // bs)
+                if n > limit:  # would spill into the next layer's chunk
+                    raise RuntimeError(f"codec wrote {n} bytes for a block of layer {layer}, "
+                                       f"slot room is {limit}")
+                if n != want:
+                    raise RuntimeError(f"codec wrote {n} bytes, encoded_nbytes promised {want}")
+
+    # ------------------------------------------------------------------ save
+    def _build_step(self, meta: Any) -> _SaveStep:
+        from turbowire.kernels.paged import BlockIndexError
+        from turbowire.kernels.triton_plans import ChunkSet, EncodeLayersPlan
+
+        assert self.staging is not None
+        saves: Sequence[SaveRequest] = meta.saves
+        bs = self.geometry.block_size
+        req: list[int] = []
+        start: list[int] = []
+        tokens: list[int] = []
+        slots: list[int] = []
+        tags: list[int] = []
+        for r, save in enumerate(saves):
+            for b in save.blocks:
+                req.append(r)
+                start.append(b.index * bs)
+                tokens.append(b.num_tokens)
+                slots.append(b.slot)
+                tags.append(b.tag)
+        chunks = ChunkSet([s.block_ids for s in saves], req, start, tokens, tags)
+        slot = np.array(slots, dtype=np.int64)
+        if slot.size and (slot.min() < 0 or slot.max() >= self.layout.num_slots):
+            bad = slot[(slot < 0) | (slot >= self.layout.num_slots)][:5].tolist()
+            raise IndexError(f"staging slot {bad} out of range [0, {self.layout.num_slots})")
+        if np.unique(slot).size != slot.size:
+            raise BlockIndexError("two blocks of one step are staged into the same slot")
+        offs = np.array(self.layout.layer_offsets, dtype=np.int64)
+        out = slot[None, :] * self.layout.slot_bytes + offs[:, None]  # [layers, chunks]
+        plans = []
+        where: dict[int, tuple[int, int]] = {}
+        wire = 0
+        for fam in self.families:
+            plan = EncodeLayersPlan(
+                self.codec, fam.layers, [self.caches.tensors[i] for i in fam.layers],
+                fam.layout, chunks, out[fam.layers], self.staging, self.kernel_config,
+                [self._scales(i) for i in fam.layers],
+                # distinct slots, each chunk within its layer's room (_check_sizes, below, raises
+                # before any launch otherwise): no two chunks' staging bytes overlap
+                check_disjoint=False,
+            )
+            self._check_sizes(fam.layers, plan.written, chunks)
+            for pos, layer in enumerate(fam.layers):
+                where[layer] = (len(plans), pos)
+            wire += plan.total_bytes
+            plans.append((plan, fam.layers))
+        return _SaveStep(meta, plans, where, int(chunks.tokens.sum()), wire)
+
+    def _step_for(self, meta: Any) -> _SaveStep:
+        step = self._step
+        if step is None or step.meta is not meta:
+            if self.side is not None:
+                with torch.cuda.stream(self.side):  # tables uploaded in the side stream's order
+                    step = self._build_step(meta)
+            else:
+                step = self._build_step(meta)
+            self._step = step
+        return step
+
+    def _launch(self, step: _SaveStep, layers: Sequence[int] | None) -> None:
+        """Encode ``layers`` (None: every layer not launched yet, batched) after everything the
+        current stream has queued so far (the layers' KV writes)."""
+        if self.side is None:
+            self._launch_now(step, layers)
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self.side.wait_event(cur.record_event())
+        with torch.cuda.stream(self.side):
+            if self.timing:
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                t0.record(self.side)
+                self._launch_now(step, layers)
+                t1.record(self.side)
+                step.timings.append((t0, t1))
+            else:
+                self._launch_now(step, layers)
+
+    def _launch_now(self, step: _SaveStep, layers: Sequence[int] | None) -> None:
+        if layers is None:
+            todo = [i for i in range(self.geometry.num_layers) if i not in step.launched]
+            if not todo:
+                return
+            if len(todo) == self.geometry.num_layers:
+                for plan, _ in step.plans:
+                    plan.launch()
+                step.launched.update(todo)
+                return
+            layers = todo
+        for layer in layers:
+            p, pos = step.where[layer]
+            step.plans[p][0].launch_layer(pos)
+            step.launched.add(layer)
+
+    def save_layer(self, layer: int, meta: Any) -> None:
+        """vLLM's ``save_kv_layer`` for one layer of this step's saves (the first
+        ``defer_layers`` calls of a step only note their layer, see DEFER_LAYERS)."""
+        if self._step is None or self._step.meta is not meta:
+            if self._noted is None or self._noted[0] is not meta:
+                self._noted = (meta, [])
+            if len(self._noted[1]) < self.defer_layers:
+                self._noted[1].append(layer)
+                return
+        step = self._step_for(meta)
+        todo = [layer]
+        if self._noted is not None and self._noted[0] is meta:
+            todo = self._noted[1] + todo
+            self._noted = None
+        todo = [x for x in todo if x not in step.launched]
+        if self.mode == "layer" and todo:
+            self._launch(step, todo)
+
+    def finish(self, meta: Any) -> tuple[int, int]:
+        """``wait_for_save``: encode what is left, order the current stream after every encode
+        of the step; (tokens, wire bytes) of the step's saves."""
+        step = self._step_for(meta)
+        self._launch(step, None)
+        if self.side is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.side.record_event())
+        if step.timings:
+            self._pending.append(step.timings)
+            del self._pending[:-MAX_PENDING_TIMINGS]
+        self._step = None
+        self._noted = None
+        return step.tokens, step.wire_bytes
+
+    def encode_seconds(self) -> list[float]:
+        """GPU time of the encode launches of every earlier step whose events have completed
+        (one value per step); never waits."""
+        done: list[float] = []
+        still: list[list[tuple[Any, Any]]] = []
+        for timings in self._pending:
+            if all(t1.query() for _, t1 in timings):
+                done.append(sum(t0.elapsed_time(t1) for t0, t1 in timings) / 1e3)
+            else:
+                still.append(timings)
+        self._pending = still
+        return done
+
+    # ------------------------------------------------------------------ load
+    def _build_load(self, load: LoadRequest, recv_offset: int,
+                    chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> _LoadPlans:
+        from turbowire.connector.loader import LoadFailed
+        from turbowire.kernels.triton_plans import ChunkSet, DecodeLayersPlan
+
+        assert self.recv is not None
+        bs = self.geometry.block_size
+        table = load.block_ids
+        idx = np.array([b.index for b in load.blocks], dtype=np.int64)
+        ids = np.array([b.block_id for b in load.blocks], dtype=np.int64)
+        tab = np.asarray(table, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= tab.size
+                         or not np.array_equal(tab[np.clip(idx, 0, max(tab.size - 1, 0))], ids)):
+            bad = next(b.index for b in load.blocks
+                       if not 0 <= b.index < len(table) or table[b.index] != b.block_id)
+            raise LoadFailed("bounds", f"block table does not map block {bad}")
+        chunks = ChunkSet([table], np.zeros(idx.size, np.int64), idx * bs,
+                          [b.num_tokens for b in load.blocks], [b.tag for b in load.blocks])
+        n_layers = self.geometry.num_layers
+        offsets = getattr(chunk_offsets, "offsets", None)
+        sizes = getattr(chunk_offsets, "sizes", None)
+        if offsets is None or sizes is None:
+            offsets = np.zeros((n_layers, idx.size), np.int64)
+            sizes = np.zeros((n_layers, idx.size), np.int64)
+            for (bi, layer), (off, size) in chunk_offsets.items():
+                offsets[layer, bi], sizes[layer, bi] = off, size
+        plans = []
+        for fam in self.families:
+            plans.append((DecodeLayersPlan(
+                self.codec, fam.layers, [self.caches.tensors[i] for i in fam.layers],
+                fam.layout, chunks, recv_offset + offsets[fam.layers], sizes[fam.layers],
+                self.recv, self.kernel_config, [self._scales(i) for i in fam.layers],
+            ), fam.layers))
+        return _LoadPlans(load, recv_offset, plans, set(range(n_layers)))
+
+    def decode_group(self, load: LoadRequest, layers: range, recv_offset: int,
+                     chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> None:
+        """Verify and decode the chunks of ``layers`` (one landed READ) into the cache; one
+        host synchronisation. Raises the reference's exception for a refused chunk (nothing of
+        the group is written then)."""
+        key = id(load)
+        entry = self._loads.get(key)
+        if entry is None or entry.load is not load or entry.recv_offset != recv_offset:
+            entry = self._build_load(load, recv_offset, chunk_offsets)
+            self._loads[key] = entry
+            while len(self._loads) > MAX_LOAD_PLANS:
+                self._loads.popitem(last=False)
+        want = set(layers)
+        ranges = []
+        for plan, fam_layers in entry.plans:
+            pos = [p for p, layer in enumerate(fam_layers) if layer in want]
+            if pos:
+                ranges.append((plan, pos[0], pos[-1] + 1))
+                assert pos[-1] + 1 - pos[0] == len(pos), "a group's layers are contiguous"
+        try:
+            for plan, lo, hi in ranges:
+                plan.launch(lo, hi)
+            for plan, lo, hi in ranges:
+                plan.check(lo, hi)
+        except BaseException:
+            self._loads.pop(key, None)
+            raise
+        entry.left -= want
+        if not entry.left:
+            self._loads.pop(key, None)
