@@ -16,7 +16,10 @@ from turbowire.errors import TurboWireError
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-FORMAT_VERSION = 1  # turbowire transfer protocol (slot layout, params); the codec has its own
+#: turbowire transfer protocol (slot layout, params, side-channel lease calls); the codec has its
+#: own. 2: leases carry a capability (``turbowire_lease_token``) that releases and heartbeats must
+#: present; engines of different versions refuse each other at the handshake and in the params.
+FORMAT_VERSION = 2
 
 
 class IncompatiblePeerError(TurboWireError, RuntimeError):

@@ -315,6 +315,17 @@ class ParamsByName(ValueKind):
         return "object: backend -> {string: string}"
 
 
+def _is_thread_cpus(text: str) -> bool:
+    from turbowire.connector.threads import AUTO, INHERIT, parse_cpu_list
+
+    if text in (AUTO, INHERIT):
+        return True
+    try:
+        return bool(parse_cpu_list(text))
+    except ValueError:
+        return False
+
+
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -657,6 +668,20 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         default=DEFAULT_NIXL_PROGRESS_DELAY_US,
     ),
     ConfigKey(
+        "connector_thread_cpus",
+        Text(
+            "`auto`, `inherit` or a CPU list such as `2,3` or `4-7`",
+            ((_is_thread_cpus, "{key}={value!r}: use auto, inherit or a CPU list such as 2,3 "
+              "or 4-7"),),
+        ),
+        "Cores of the connector's background threads (NIXL progress and UCX threads, the "
+        "worker's thread pool). `auto`: the cores of the engine process that started the "
+        "worker; vLLM's CPU worker otherwise starts them on its OpenMP master's core, where "
+        "two unpinned engines on a small machine starve each other's transfers. `inherit`: "
+        "vLLM's placement. No effect where the platform has no thread affinity.",
+        default="auto",
+    ),
+    ConfigKey(
         "transport",
         Choice(TRANSPORTS),
         "`nixl`: P/D hand-off peer to peer over NIXL. `store`: every engine saves the compressed "
@@ -770,6 +795,7 @@ class TurboWireConfig:
     min_transfer_tokens: int = _default("min_transfer_tokens")
     decode_pipeline_groups: int = _default("decode_pipeline_groups")
     nixl_progress_delay_us: int = _default("nixl_progress_delay_us")
+    connector_thread_cpus: str = _default("connector_thread_cpus")
     transport: str = _default("transport")
     store_url: str | None = _default("store_url")
     directory_url: str | None = _default("directory_url")

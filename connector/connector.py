@@ -182,6 +182,13 @@ class TurboWireConnector(KVConnectorBase_V1):
     ) -> None:
         self._sched().set_handshake_metadata(dict(metadata))
 
+    def has_pending_push_work(self) -> bool:
+        """Scheduler side: keep the engine stepping until the staging gauges are exported true
+        (leases outstanding, or a release/expiry not yet exported); see the scheduler's."""
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.has_pending_push_work()
+        return False
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.connector_worker is not None:
             return self.connector_worker.get_stats()

@@ -7,6 +7,12 @@ production-stack) forward them unchanged. ``remote_block_ids`` are *staging slot
 prefill engine (one per KV block of the prompt), not its paged-cache blocks, which are freed as
 soon as the request finishes. turbowire adds ``turbowire_*`` fields.
 
+``turbowire_lease_token`` (transfer format 2) is the capability of the request's lease: an
+unguessable token the prefill engine issues with the lease, which the decode engine presents on
+every release, heartbeat and claim. Naming another request's ``remote_request_id`` without its
+token releases, extends or reads nothing. Routers must forward the prefill engine's params
+unchanged (they do: vLLM's toy proxy and turbowire's proxy pass the whole object through).
+
 Everything here comes from the network (through the proxy), so parsing validates every field's
 type and range and raises :class:`TransferParamsError` with a message that names the field.
 """
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +35,12 @@ MAX_BLOCKS = 1 << 20
 MAX_LEASE_SECONDS = 86400.0
 MAX_ID_CHARS = 512  # engine and request ids, hosts, presets, hashes
 DEFAULT_LEASE_SECONDS = 30.0
+#: Transfer format from which prefill engines issue ``turbowire_lease_token`` (compat.py's
+#: FORMAT_VERSION; older peers send none and are refused as incompatible).
+LEASE_TOKEN_FORMAT = 2
+LEASE_TOKEN_BYTES = 16  # 128 bits from ``secrets``: 32 hex characters
+MAX_LEASE_TOKEN_CHARS = 128
+_LEASE_TOKEN_RE = re.compile(r"[0-9a-f]{32,128}")
 
 
 class TransferParamsError(TurboWireError, ValueError):
@@ -41,6 +55,37 @@ def prompt_digest(token_ids: Sequence[int], num_tokens: int) -> str:
     for t in token_ids[:num_tokens]:
         h.update(int(t).to_bytes(4, "little", signed=False))
     return h.hexdigest()
+
+
+def new_lease_token() -> str:
+    """A fresh lease capability: 128 random bits as 32 lowercase hex characters."""
+    return secrets.token_hex(LEASE_TOKEN_BYTES)
+
+
+class LeaseRef(str):
+    """A prefill request id as the decode side names its lease, carrying the lease's token.
+
+    It compares, hashes, prints and logs as the plain id (``repr`` too, so a log line or a
+    dataclass repr never shows the token); the side-channel client sends ``lease_token`` next to
+    it on releases and heartbeats. It pickles with its token (vLLM pickles the connector
+    metadata from the scheduler to the workers).
+    """
+
+    lease_token: str
+
+    def __new__(cls, request_id: str, lease_token: str | None = None) -> LeaseRef:
+        ref = super().__new__(cls, request_id)
+        ref.lease_token = lease_token or ""
+        return ref
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (LeaseRef, (str(self), self.lease_token))
+
+
+def lease_token_of(request_id: str) -> str:
+    """The token a :class:`LeaseRef` carries ("" for a plain id: no capability)."""
+    token = getattr(request_id, "lease_token", "")
+    return token if isinstance(token, str) else ""
 
 
 def _get(params: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -77,6 +122,12 @@ class RemotePrefill:
     prompt_hash: str | None
     fallback: str | None
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    lease_token: str | None = None  # the lease's capability (format 2); None from older peers
+
+    @property
+    def lease(self) -> LeaseRef:
+        """The remote request id with its lease token, as releases and heartbeats name it."""
+        return LeaseRef(self.request_id, self.lease_token)
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], block_size: int) -> RemotePrefill:
@@ -132,6 +183,13 @@ class RemotePrefill:
             )
         fallback = _optional_text(params, "turbowire_fallback")
         lease_seconds = _lease_seconds(params.get("turbowire_lease_seconds"))
+        lease_token = _lease_token(params.get("turbowire_lease_token"))
+        if lease_token is None and raw_slots and version >= LEASE_TOKEN_FORMAT:
+            raise TransferParamsError(
+                "kv_transfer_params.turbowire_lease_token is missing (the capability of the "
+                "prefill engine's lease; forward the prefill engine's kv_transfer_params "
+                "unchanged)"
+            )
         return cls(
             engine_id=engine_id,
             request_id=request_id,
@@ -145,7 +203,25 @@ class RemotePrefill:
             prompt_hash=prompt_hash,
             fallback=fallback,
             lease_seconds=lease_seconds,
+            lease_token=lease_token,
         )
+
+
+def _lease_token(value: Any) -> str | None:
+    """A lease capability: 32..128 lowercase hex characters (absent: None)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TransferParamsError(
+            f"kv_transfer_params.turbowire_lease_token must be a string, got "
+            f"{type(value).__name__}"
+        )
+    if len(value) > MAX_LEASE_TOKEN_CHARS or not _LEASE_TOKEN_RE.fullmatch(value):
+        raise TransferParamsError(
+            "kv_transfer_params.turbowire_lease_token must be 32 to "
+            f"{MAX_LEASE_TOKEN_CHARS} lowercase hex characters"
+        )
+    return value
 
 
 def _optional_text(params: Mapping[str, Any], key: str) -> str | None:
@@ -204,6 +280,7 @@ def prefill_result(
     dense_bytes: int,
     wire_bytes: int,
     fallback: str | None = None,
+    lease_token: str | None = None,
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` a prefill engine returns for the decode engine."""
     return {
@@ -223,4 +300,5 @@ def prefill_result(
         "turbowire_dense_bytes": dense_bytes,
         "turbowire_wire_bytes": wire_bytes,
         "turbowire_fallback": fallback,
+        "turbowire_lease_token": lease_token,
     }

@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAINTENANCE_PERIOD_S = 0.5
+MAX_LET_GO = 65536  # remembered released leases (a few MiB at most)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class SendState:
 class HeartbeatTarget:
     host: str
     port: int
-    remote_request_id: str
+    remote_request_id: str  # a LeaseRef: the id with its lease token
     interval: float
     last_sent: float = field(default_factory=time.monotonic)
 
@@ -108,13 +110,18 @@ class TurboWireScheduler:
         self.side_channel_port = (
             config.side_channel_port + vllm_config.parallel_config.data_parallel_index
         )
-        self.pool = StagingPool(self.layout.num_slots, config.lease_seconds)
         self.stats = TurboWireConnectorStats()
+        self.pool = StagingPool(
+            self.layout.num_slots, config.lease_seconds, on_refused=self._lease_refused
+        )
         self.speculative = setup.speculative
         self.drafts = DraftLedger(self.stats) if self.speculative.enabled else None
         self._kv_cache_manager: KVCacheManager | None = None
         self._send: dict[str, SendState] = {}
         self._pending_loads: list[LoadRequest] = []
+        # (prefill engine, remote request id) of the leases this engine's loads already let go
+        # (loaded or released): vLLM's cleanup request for the same request sends no second one
+        self._let_go: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._load_queued: set[str] = set()
         self._parsed: dict[str, RemotePrefill | None] = {}
         self._reports: dict[str, LoadReport] = {}
@@ -139,6 +146,8 @@ class TurboWireScheduler:
                 _redact(config.directory_url) or "none (local index)",
             )
         self._publish_gauges()
+        # the gauge values handed to vLLM last (the ones above go with the first step)
+        self._published_gauges: tuple[int, int] = self._gauge_values()
         if self.speculative.enabled:
             logger.info(
                 "turbowire speculative decoding: %s, %d tokens; saves held %d position(s) behind "
@@ -239,13 +248,15 @@ class TurboWireScheduler:
                 )
             self._send[request.request_id] = SendState(request)
         elif self.is_consumer and is_remote_prefill(params):
+            if _is_cleanup(request):
+                return  # nothing to load or heartbeat: request_finished queues the release
             remote = self._parse(request)
             if remote is not None and remote.slots:
                 with self._hb_lock:
                     self._heartbeats[request.request_id] = HeartbeatTarget(
                         host=remote.host,
                         port=remote.port,
-                        remote_request_id=remote.request_id,
+                        remote_request_id=remote.lease,
                         interval=max(0.5, remote.lease_seconds / 3),
                     )
             self._start_maintenance()
@@ -326,9 +337,29 @@ class TurboWireScheduler:
         return "p2p"
 
     def get_stats(self) -> TurboWireConnectorStats | None:
+        """What vLLM carries to the frontend this step. The staging gauges are re-read from
+        the live pool whenever they differ from what was last handed out (a release or a lease
+        expiry on another thread), so the exported values catch up on the next step."""
+        live = self._gauge_values()
+        if live != self._published_gauges:
+            self._publish_gauges()
         if self.stats.is_empty():
             return None
+        self._published_gauges = live
         return self.stats.clone_and_reset()
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM's engine loop stepping (vLLM's hook; an idle engine otherwise blocks on its
+        input queue and sends no stats at all) while leases are outstanding, or while the live
+        staging gauges differ from the exported ones. The pool lives in the engine-core process
+        and ``/metrics`` is served by the frontend, which only hears of it through the stats of
+        an engine step: without this, a lease released or expired after the last request (the
+        reaper thread frees it) left ``turbowire_staging_in_use_bytes`` and
+        ``turbowire_leases_outstanding`` at their last value forever. Bounded: leases end within
+        ``lease_seconds``, then one step exports the empty pool and the engine idles again
+        (empty steps, like vLLM's NixlConnector stepping until its delayed frees are read)."""
+        live = self._gauge_values()
+        return live[1] > 0 or live != self._published_gauges
 
     # ------------------------------------------------------------------ decode role
     def get_num_new_matched_tokens(
@@ -341,7 +372,7 @@ class TurboWireScheduler:
             self._start_maintenance()  # the registry heartbeat
             count = self.store.lookup(request, num_computed_tokens)
             return (count, True) if count > 0 else (0, False)
-        if not self.is_consumer:
+        if not self.is_consumer or _is_cleanup(request):
             return 0, False
         if request.request_id in self._load_queued:
             return 0, False
@@ -374,12 +405,10 @@ class TurboWireScheduler:
         if remote is None:
             return
         self._load_queued.add(req_id)
-        peer = PeerAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
+        peer = self._peer(remote)
         if num_external_tokens <= 0:
             if remote.slots:  # full local hit (or declined): only let the prefill engine go
-                self._pending_loads.append(
-                    LoadRequest(req_id, remote.request_id, peer, [], remote.preset)
-                )
+                self._queue_load(LoadRequest(req_id, remote.lease, peer, [], remote.preset))
             return
         total = self._remote_total(remote, request)
         first_token = total - num_external_tokens
@@ -391,9 +420,7 @@ class TurboWireScheduler:
                 "request %s: %d local blocks allocated, %d needed; loading nothing",
                 req_id, len(group), last_block,
             )
-            self._pending_loads.append(
-                LoadRequest(req_id, remote.request_id, peer, [], remote.preset)
-            )
+            self._queue_load(LoadRequest(req_id, remote.lease, peer, [], remote.preset))
             return
         load_blocks = [
             LoadBlock(
@@ -405,9 +432,9 @@ class TurboWireScheduler:
             )
             for i in range(first_block, last_block)
         ]
-        self._pending_loads.append(
+        self._queue_load(
             LoadRequest(
-                req_id, remote.request_id, peer, load_blocks, remote.preset,
+                req_id, remote.lease, peer, load_blocks, remote.preset,
                 block_ids=[b.block_id for b in group[:last_block]],
             )
         )
@@ -447,6 +474,13 @@ class TurboWireScheduler:
     def _decline_reason(self, request: Request, remote: RemotePrefill) -> tuple[str, str] | None:
         if remote.fallback:
             return "fallback", f"prefill engine sent no KV ({remote.fallback})"
+        if remote.format_version != self.record.format_version:
+            return (
+                "incompatible",
+                f"prefill engine speaks turbowire transfer format {remote.format_version}, this "
+                f"engine {self.record.format_version} (format 2 added lease tokens); run the "
+                "same turbowire version on both engines",
+            )
         if remote.preset != self.config.preset:
             return (
                 "incompatible",
@@ -462,13 +496,52 @@ class TurboWireScheduler:
         return None
 
     def _queue_release_only(self, request: Request) -> None:
-        remote = self._parse(request)
+        if _is_cleanup(request):
+            remote = self._parse_cleanup(request)
+            if remote is not None and self._already_let_go(remote):
+                logger.debug(
+                    "cleanup request %s: the lease of %s was already released by its load",
+                    request.request_id, remote.request_id,
+                )
+                return
+        else:
+            remote = self._parse(request)
         if remote is None or not remote.slots:
             return
-        peer = PeerAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
-        self._pending_loads.append(
-            LoadRequest(request.request_id, remote.request_id, peer, [], remote.preset)
+        self._queue_load(
+            LoadRequest(request.request_id, remote.lease, self._peer(remote), [],
+                        remote.preset)
         )
+
+    def _parse_cleanup(self, request: Request) -> RemotePrefill | None:
+        """The params of vLLM's pre-aborted cleanup request, which exists only to let the
+        prefill engine free its lease (``notify_kv_transfer_request_rejected``: the serving layer
+        refused or errored a request, e.g. after a ``load_failure_policy: fail`` load failure).
+        Its prompt is a placeholder (``[0]``), so the load checks (prompt hash, preset, TP)
+        do not apply, and nothing is counted: the request it stands for was counted by its own
+        load, or never reached the connector. Malformed params are logged, not counted."""
+        try:
+            return RemotePrefill.parse(request.kv_transfer_params or {}, self.block_size)
+        except TransferParamsError as exc:
+            logger.info(
+                "cleanup request %s: %s; no lease to release", request.request_id, exc
+            )
+            return None
+
+    def _peer(self, remote: RemotePrefill) -> PeerAddress:
+        return PeerAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
+
+    def _queue_load(self, load: LoadRequest) -> None:
+        """Hand a load (or a release) to the workers; remember that its lease is let go."""
+        key = (load.peer.engine_id, load.remote_request_id)
+        self._let_go[key] = None
+        self._let_go.move_to_end(key)
+        while len(self._let_go) > MAX_LET_GO:
+            self._let_go.popitem(last=False)
+        self._pending_loads.append(load)
+
+    def _already_let_go(self, remote: RemotePrefill) -> bool:
+        return (remote.engine_id, remote.request_id) in self._let_go
 
     def _stop_heartbeat(self, req_id: str) -> None:
         with self._hb_lock:
@@ -568,6 +641,7 @@ class TurboWireScheduler:
             prompt_hash=prompt_digest(prompt, num_tokens) if prompt else None,
             dense_bytes=state.dense_bytes,
             wire_bytes=state.wire_bytes,
+            lease_token=lease.token,
         )
 
     def _element_size(self) -> int:
@@ -581,6 +655,20 @@ class TurboWireScheduler:
             self.stats.record_failure("lease_expired")
         if expired:
             self._publish_gauges()
+
+    def _lease_refused(self, missing: list[str], wrong: list[str]) -> None:
+        """Side-channel calls that named a lease without its token (gRPC threads): counted once
+        per lease, ``incompatible`` without a token (a decode engine of transfer format 1),
+        ``bad_params`` with a wrong one (forged or altered kv_transfer_params)."""
+        for _ in missing:
+            self.stats.record_failure("incompatible")
+        for _ in wrong:
+            self.stats.record_failure("bad_params")
+
+    def _gauge_values(self) -> tuple[int, int]:
+        """(staging bytes in use, leases outstanding) of the pool right now."""
+        snap = self.pool.snapshot()
+        return snap.used_slots * self.layout.slot_bytes, snap.leases
 
     def _publish_gauges(self) -> None:
         snap = self.pool.snapshot()
@@ -635,6 +723,12 @@ class TurboWireScheduler:
                 )
 
 
+def _is_cleanup(request: Request) -> bool:
+    """vLLM's pre-aborted request (``abort_immediately``): it only runs ``request_finished`` so
+    the connector frees what a refused request holds (here: the prefill engine's lease)."""
+    return bool(getattr(request, "abort_immediately", False))
+
+
 def _with_drafts(report: dict[str, Any], drafts: Any) -> dict[str, Any]:
     """The request report with its speculative positions (decode engines running drafts)."""
     if drafts is None:
@@ -657,13 +751,17 @@ class _GaugedLeases:
     def __init__(self, owner: TurboWireScheduler) -> None:
         self._owner = owner
 
-    def release(self, request_ids: Iterable[str], consumer: int = 0) -> tuple[list[str], list[str]]:
-        result = self._owner.pool.release(request_ids, consumer)
+    def release(
+        self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str]
+    ) -> tuple[list[str], list[str]]:
+        result = self._owner.pool.release(request_ids, consumer, tokens)
         self._owner._publish_gauges()
         return result
 
-    def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
-        return self._owner.pool.heartbeat(request_ids)
+    def heartbeat(
+        self, request_ids: Sequence[str], tokens: Sequence[str]
+    ) -> tuple[list[str], list[str]]:
+        return self._owner.pool.heartbeat(request_ids, tokens)
 
     def snapshot(self) -> Any:
         return self._owner.pool.snapshot()

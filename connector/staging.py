@@ -5,17 +5,25 @@ The prefill scheduler owns this object. Slots are taken while a request is being
 decode engine reports it has read them (``release``) or the lease runs out (``reap``). The gRPC
 side channel calls ``release``/``heartbeat`` from its threads, the scheduler calls the rest from
 the engine loop, so every method takes the lock.
+
+Every lease carries an unguessable ``token`` (its capability, handed to the decode engine in the
+request's ``kv_transfer_params``). The side channel passes the tokens its caller presented, and
+a release or heartbeat without the lease's token frees or extends nothing: to the caller it is
+unknown, and ``on_refused`` hears of it (the scheduler counts it). ``tokens=None`` is for the
+engine's own (trusted, in-process) calls only.
 """
 
 from __future__ import annotations
 
 import heapq
+import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from turbowire.connector.params import new_lease_token
 from turbowire.errors import TurboWireError
 
 logger = logging.getLogger(__name__)
@@ -38,6 +46,8 @@ class Lease:
     heartbeats: int = 0
     consumers: int = 1  # decode workers (TP ranks) that must each release before slots free
     released_by: set[int] = field(default_factory=set)
+    token: str = field(default_factory=new_lease_token, repr=False)  # the lease's capability
+    refusals: int = 0  # calls that named this lease without its token
 
 
 @dataclass
@@ -55,6 +65,9 @@ class StagingPool:
     num_slots: int
     lease_seconds: float
     clock: Callable[[], float] = time.monotonic
+    #: Called (outside the lock) with the ids a release/heartbeat named without their lease's
+    #: token: (ids with no token at all, ids with a wrong one); only a lease's first refusal.
+    on_refused: Callable[[list[str], list[str]], None] | None = field(default=None, repr=False)
     _free: list[int] = field(init=False, repr=False)
     _reserved: dict[str, list[int]] = field(init=False, default_factory=dict, repr=False)
     _leases: dict[str, Lease] = field(init=False, default_factory=dict, repr=False)
@@ -95,7 +108,8 @@ class StagingPool:
             return len(slots)
 
     def lease(self, request_id: str, wire_bytes: int = 0, consumers: int = 1) -> Lease:
-        """Turn the reserved slots of a finished request into a lease that expires."""
+        """Turn the reserved slots of a finished request into a lease that expires; its
+        ``token`` is fresh (hand it to the decode engine, never log it)."""
         with self._lock:
             slots = self._reserved.pop(request_id, [])
             lease = Lease(
@@ -107,40 +121,90 @@ class StagingPool:
 
     # ---- side channel ------------------------------------------------------------------
     def release(
-        self, request_ids: Iterable[str], consumer: int = 0
+        self,
+        request_ids: Iterable[str],
+        consumer: int = 0,
+        tokens: Sequence[str] | None = None,
     ) -> tuple[list[str], list[str]]:
         """Decode worker ``consumer`` (its TP rank) read these requests; slots are freed once
-        every consumer released. Returns (acknowledged, unknown)."""
+        every consumer released. ``tokens[i]`` is the capability presented for
+        ``request_ids[i]`` (None: a trusted in-process call). Returns (acknowledged, unknown);
+        a lease named without its token is unknown to that caller and stays held."""
         released: list[str] = []
         unknown: list[str] = []
+        missing: list[str] = []
+        wrong: list[str] = []
+        ids = list(request_ids)
         with self._lock:
-            for rid in request_ids:
+            for i, rid in enumerate(ids):
                 lease = self._leases.get(rid)
                 if lease is None or not 0 <= consumer < lease.consumers:
                     unknown.append(rid)  # a rank outside the lease's readers frees nothing
+                    continue
+                if not self._holds(lease, tokens, i, missing, wrong):
+                    unknown.append(rid)
                     continue
                 lease.released_by.add(consumer)
                 released.append(rid)
                 if len(lease.released_by) >= lease.consumers:
                     del self._leases[rid]
                     self._give_back(lease.slots)
+        self._refused(missing, wrong)
         return released, unknown
 
-    def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
-        """Extend leases of requests the decode engine still waits to read."""
+    def heartbeat(
+        self, request_ids: Iterable[str], tokens: Sequence[str] | None = None
+    ) -> tuple[list[str], list[str]]:
+        """Extend leases of requests the decode engine still waits to read (also its claim
+        before decoding: a lease it does not hold is unknown, and nothing is decoded)."""
         extended: list[str] = []
         unknown: list[str] = []
+        missing: list[str] = []
+        wrong: list[str] = []
+        ids = list(request_ids)
         with self._lock:
             now = self.clock()
-            for rid in request_ids:
+            for i, rid in enumerate(ids):
                 lease = self._leases.get(rid)
-                if lease is None:
+                if lease is None or not self._holds(lease, tokens, i, missing, wrong):
                     unknown.append(rid)
                     continue
                 lease.expires_at = max(lease.expires_at, now + self.lease_seconds)
                 lease.heartbeats += 1
                 extended.append(rid)
+        self._refused(missing, wrong)
         return extended, unknown
+
+    @staticmethod
+    def _holds(
+        lease: Lease, tokens: Sequence[str] | None, i: int, missing: list[str], wrong: list[str]
+    ) -> bool:
+        """Whether the caller presented the lease's token (constant-time compare)."""
+        if tokens is None:
+            return True
+        given = tokens[i] if i < len(tokens) else ""
+        if given and hmac.compare_digest(given.encode(), lease.token.encode()):
+            return True
+        lease.refusals += 1
+        if lease.refusals == 1:  # counted once per lease: an old peer heartbeats repeatedly
+            (wrong if given else missing).append(lease.request_id)
+        return False
+
+    def _refused(self, missing: list[str], wrong: list[str]) -> None:
+        if not (missing or wrong):
+            return
+        if missing:
+            logger.warning(
+                "lease calls for %s refused: no lease token (a decode engine of an older "
+                "turbowire, transfer format < 2? upgrade it)", missing[:5],
+            )
+        if wrong:
+            logger.warning(
+                "lease calls for %s refused: wrong lease token (forged or altered "
+                "kv_transfer_params)", wrong[:5],
+            )
+        if self.on_refused is not None:
+            self.on_refused(missing, wrong)
 
     def reap(self) -> list[Lease]:
         """Free every expired lease; returns them (the caller counts and logs)."""

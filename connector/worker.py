@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from turbowire.connector import gpu_path
+from turbowire.connector import gpu_path, threads
 from turbowire.connector.caches import EngineCaches
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.loader import KVLoader, LoadFailed, LocalEnd
@@ -83,7 +83,11 @@ class TurboWireWorker:
         self._sizes: dict[tuple[int, int, bool], int] = {}
         self._saved_layers: set[int] = set()
         self._step_encode_seconds = 0.0
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tw-worker")
+        self._executor = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="tw-worker",
+            initializer=threads.pin_current_thread,
+            initargs=(threads.resolve(config.connector_thread_cpus),),
+        )
         self._clients = None
         self.gpu: GpuPaths | None = None  # the CUDA save/load path (connector/gpu_path.py)
 

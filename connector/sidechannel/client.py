@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
 from turbowire.connector.config import TurboWireConfig, format_size
+from turbowire.connector.params import lease_token_of
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
 from turbowire.connector.sidechannel.convert import (
@@ -71,6 +73,20 @@ class PeerInfo:
     record: CompatibilityRecord
     staging: StagingInfo
     lease_seconds: float
+
+
+def _with_tokens(
+    request_ids: Sequence[str], lease_tokens: Sequence[str] | None
+) -> tuple[list[str], list[str]]:
+    """Plain ids and the lease token of each (explicit, else carried by a LeaseRef, else "")."""
+    ids = [str(rid) for rid in request_ids]
+    if lease_tokens is None:
+        tokens = [lease_token_of(rid) for rid in request_ids]
+    else:
+        tokens = [t or "" for t in lease_tokens]
+        if len(tokens) != len(ids):
+            raise ValueError(f"{len(tokens)} lease tokens for {len(ids)} request ids")
+    return ids, tokens if any(tokens) else []
 
 
 def _target(host: str, port: int) -> str:
@@ -195,21 +211,36 @@ class SideChannelClient:
         )
 
     def release(
-        self, request_ids: list[str], engine_id: str = "", tp_rank: int = 0
+        self,
+        request_ids: Sequence[str],
+        engine_id: str = "",
+        tp_rank: int = 0,
+        lease_tokens: Sequence[str] | None = None,
     ) -> pb.LeaseReply:
+        """Release leases; each id presents its lease token (``lease_tokens``, or the token a
+        :class:`~turbowire.connector.params.LeaseRef` id carries)."""
+        ids, tokens = _with_tokens(request_ids, lease_tokens)
         try:
             return self._stub.ReleaseLease(
-                pb.LeaseRequest(request_ids=request_ids, engine_id=engine_id, tp_rank=tp_rank),
+                pb.LeaseRequest(request_ids=ids, engine_id=engine_id, tp_rank=tp_rank,
+                                lease_tokens=tokens),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise self._fail("lease release", err) from err
 
-    def heartbeat(self, request_ids: list[str], engine_id: str = "") -> pb.LeaseReply:
+    def heartbeat(
+        self,
+        request_ids: Sequence[str],
+        engine_id: str = "",
+        lease_tokens: Sequence[str] | None = None,
+    ) -> pb.LeaseReply:
+        """Extend (or claim) leases, presenting each one's token like :meth:`release`."""
+        ids, tokens = _with_tokens(request_ids, lease_tokens)
         try:
             return self._stub.Heartbeat(
-                pb.LeaseRequest(request_ids=request_ids, engine_id=engine_id),
+                pb.LeaseRequest(request_ids=ids, engine_id=engine_id, lease_tokens=tokens),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )

@@ -10,12 +10,22 @@ from turbowire.errors import TurboWireError
 
 MAX_LAYERS = 4096
 MAX_AGENT_METADATA = 16 << 20
+#: Exclusive bound of every staging address a peer advertises: the loader computes READ
+#: addresses as int64 arrays (``base_addr + slot * slot_bytes + layer_offset``), so the whole pool
+#: must end below 2**63 or the arithmetic would overflow or wrap around.
+MAX_STAGING_ADDRESS = 1 << 63
 
 
 class SideChannelProtocolError(TurboWireError, ValueError):
     """A side-channel message is malformed (sizes or fields out of range)."""
 
     reason = "handshake"
+
+
+class StagingBoundsError(SideChannelProtocolError):
+    """A peer's staging geometry reaches outside the addresses this engine can READ (int64)."""
+
+    reason = "bounds"
 
 
 def record_to_proto(record: CompatibilityRecord) -> pb.CompatibilityRecord:
@@ -92,6 +102,12 @@ class StagingInfo:
             off >= geo.slot_bytes for off in geo.layer_offsets
         ):
             raise SideChannelProtocolError("peer layer offsets fall outside its slot")
+        end = geo.base_addr + geo.num_slots * geo.slot_bytes  # Python ints: no wraparound
+        if end >= MAX_STAGING_ADDRESS:
+            raise StagingBoundsError(
+                f"peer staging pool ends at {end:#x} (base {geo.base_addr:#x} + {geo.num_slots} "
+                f"slots x {geo.slot_bytes} B): beyond 2**63, not a READ address"
+            )
         return cls(
             agent_name=resp.agent_name,
             agent_metadata=bytes(resp.agent_metadata),

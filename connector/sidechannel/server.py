@@ -3,7 +3,10 @@
 It answers handshakes only for compatible peers (the refusal names the differing field), hands
 out the NIXL agent metadata and staging geometry of the requested worker, and releases/extends
 leases in the prefill engine's :class:`~turbowire.connector.staging.StagingPool`. With an auth
-token configured, every call must carry ``authorization: Bearer <token>``.
+token configured, every call must carry ``authorization: Bearer <token>``. A release or heartbeat
+must also present each lease's own capability (``lease_tokens``, issued in the request's
+``kv_transfer_params``): the auth token admits a peer engine, the lease token proves the call
+comes from the holder of that request's params.
 
 With :class:`SideChannelTLS` (``side_channel_tls_cert``/``_key``) the server speaks TLS only; with
 a CA bundle too (``side_channel_tls_ca``) it also requires client certificates signed by that CA
@@ -16,7 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 AUTH_HEADER = "authorization"
 FIELD_TRAILER = "turbowire-field"
 MAX_IDS_PER_CALL = 65536
+MAX_LEASE_TOKEN_CHARS = 128
 MAX_MESSAGE_BYTES = 32 << 20
 TLS_KEYS = ("side_channel_tls_cert", "side_channel_tls_key", "side_channel_tls_ca")
 
@@ -132,11 +136,16 @@ class SideChannelTLS:
 
 
 class LeaseHandler(Protocol):
+    """The prefill engine's leases; ``tokens[i]`` is the capability presented for
+    ``request_ids[i]`` ("" when the caller sent none). Returns (done, unknown)."""
+
     def release(
-        self, request_ids: Iterable[str], consumer: int = 0
+        self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str]
     ) -> tuple[list[str], list[str]]: ...
 
-    def heartbeat(self, request_ids: Iterable[str]) -> tuple[list[str], list[str]]: ...
+    def heartbeat(
+        self, request_ids: Sequence[str], tokens: Sequence[str]
+    ) -> tuple[list[str], list[str]]: ...
 
     def snapshot(self) -> Any: ...
 
@@ -208,23 +217,40 @@ class _Servicer(pb_grpc.SideChannelServicer):
             lease_seconds=owner.lease_seconds,
         )
 
-    def _ids(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> list[str]:
+    def _ids(
+        self, request: pb.LeaseRequest, context: grpc.ServicerContext
+    ) -> tuple[list[str], list[str]]:
+        """(request ids, the lease token presented for each: "" where none was sent)."""
         if len(request.request_ids) > MAX_IDS_PER_CALL:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "too many request ids in one call")
-        return list(request.request_ids)
+        ids = list(request.request_ids)
+        tokens = list(request.lease_tokens)
+        if tokens and len(tokens) != len(ids):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(tokens)} lease tokens for {len(ids)} request ids (one per id, in order)",
+            )
+        if any(len(t) > MAX_LEASE_TOKEN_CHARS for t in tokens):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a lease token is longer than {MAX_LEASE_TOKEN_CHARS} characters",
+            )
+        return ids, tokens or [""] * len(ids)
 
     def ReleaseLease(  # noqa: N802
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
-        done, unknown = self._owner.leases.release(self._ids(request, context), request.tp_rank)
+        ids, tokens = self._ids(request, context)
+        done, unknown = self._owner.leases.release(ids, request.tp_rank, tokens)
         if unknown:
-            logger.info("release for unknown/expired leases %s", unknown[:5])
+            logger.info("release for unknown/expired/refused leases %s", unknown[:5])
         return pb.LeaseReply(done=done, unknown=unknown)
 
     def Heartbeat(  # noqa: N802
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
-        done, unknown = self._owner.leases.heartbeat(self._ids(request, context))
+        ids, tokens = self._ids(request, context)
+        done, unknown = self._owner.leases.heartbeat(ids, tokens)
         return pb.LeaseReply(done=done, unknown=unknown)
 
     def PoolStatus(  # noqa: N802

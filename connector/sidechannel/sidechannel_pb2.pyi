@@ -77,14 +77,16 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., record: _Optional[_Union[CompatibilityRecord, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., staging: _Optional[_Union[StagingGeometry, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("request_ids", "engine_id", "tp_rank")
+    __slots__ = ("request_ids", "engine_id", "tp_rank", "lease_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     engine_id: str
     tp_rank: int
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+    lease_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("done", "unknown")

@@ -46,6 +46,9 @@ RESERVED_KEYS: dict[str, str] = {
     "auth_token": "turbowire.authToken (a Secret)",
     "transport": "turbowire.transport",
     "store_url": "redis.enabled or redis.url",
+    "side_channel_tls_cert": "turbowire.sideChannel.tls",
+    "side_channel_tls_key": "turbowire.sideChannel.tls",
+    "side_channel_tls_ca": "turbowire.sideChannel.tls",
 } | {key: f"turbowire.store.{value}" for value, key in STORE_VALUES.items()}
 
 # sizes as the connector's parse_size reads them (bare K/M/G binary; KB/MB/GB decimal)
@@ -148,6 +151,29 @@ def _pdb() -> dict[str, Any]:
     return _obj({"enabled": BOOL, "maxUnavailable": either, "minAvailable": either})
 
 
+def _side_channel_tls() -> dict[str, Any]:
+    """turbowire.sideChannel.tls: the side channel's TLS files (side_channel_tls_cert/_key/_ca)."""
+    name = {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", "maxLength": 253}
+    return _obj(
+        {
+            "enabled": {**BOOL, "description": "serve and call the side channel over mutual TLS"},
+            "secretName": {
+                **name,
+                "description": "a kubernetes.io/tls Secret (tls.crt, tls.key); or use volume",
+            },
+            "caSecretName": {**name, "description": "Secret with the CA bundle; empty: secretName"},
+            "caKey": {"type": "string", "minLength": 1, "description": "key of the CA bundle"},
+            "volume": {
+                **OBJ,
+                "description": "instead of the Secrets: a volume source providing tls.crt, "
+                "tls.key and ca.crt (e.g. cert-manager's csi-driver, one certificate per pod)",
+            },
+        },
+        required=["enabled"],
+        additionalProperties=False,
+    )
+
+
 def _engine(role: str) -> dict[str, Any]:
     return _obj(
         {
@@ -248,6 +274,9 @@ def build_schema() -> dict[str, Any]:
                     },
                     "store": _store_schema(),
                     "sideChannelPort": PORT,
+                    "sideChannel": _obj(
+                        {"tls": _side_channel_tls()}, additionalProperties=False
+                    ),
                     "extraConfig": {
                         "type": "object",
                         "description": "other kv_connector_extra_config keys "

@@ -1168,50 +1168,59 @@ def sidechannel_bytes(wire: tuple[Any, bytes]) -> None:
 
 
 def _lease_regressions() -> list[dict[str, Any]]:
-    """Bug: a release from tp_rank 1 frees a lease whose only consumer is rank 0."""
-    return [dict(leases=[("req", 1)], calls=[("release", ["req"], 1)]),
-            dict(leases=[("req", 2)], calls=[("release", ["req", "req"], 0)])]
+    """Bug: a release from tp_rank 1 frees a lease whose only consumer is rank 0. Bug: a
+    release naming another request's id (forged kv_transfer_params) freed that lease."""
+    return [dict(leases=[("req", 1)], calls=[("release", ["req"], 1, "token")]),
+            dict(leases=[("req", 2)], calls=[("release", ["req", "req"], 0, "token")]),
+            dict(leases=[("req", 1)], calls=[("release", ["req"], 0, "none"),
+                                             ("release", ["req"], 0, "wrong")])]
 
 
 @target(
     examples=_lease_regressions,
-    prop="lease release/heartbeat with random request ids and TP ranks (LeaseRequest fields) "
-         "acknowledge exactly the leased ids; a lease's slots return to the pool only after "
-         "every one of its consumer ranks 0..consumers-1 released it",
+    prop="lease release/heartbeat with random request ids, TP ranks and lease tokens "
+         "(LeaseRequest fields) acknowledge exactly the leased ids presented with their lease "
+         "token; a lease's slots return to the pool only after every one of its consumer ranks "
+         "0..consumers-1 released it with the token",
     ci_examples=100,
     leases=st.lists(st.tuples(_wire_text(6), st.integers(1, 4)), max_size=4,
                     unique_by=lambda t: t[0]),
     calls=st.lists(st.tuples(st.sampled_from(["release", "heartbeat"]),
                              st.lists(_wire_text(6), max_size=6), st.one_of(st.integers(0, 4),
-                                                                             _uint32())),
+                                                                             _uint32()),
+                             st.sampled_from(["token", "token", "none", "wrong"])),
                    max_size=8),
 )
-def sidechannel_lease(leases: list[tuple[str, int]], calls: list[tuple[str, list[str], int]]
-                      ) -> None:
+def sidechannel_lease(leases: list[tuple[str, int]],
+                      calls: list[tuple[str, list[str], int, str]]) -> None:
     from turbowire.connector.sidechannel.server import _Servicer
     from turbowire.connector.staging import StagingPool
 
     pool = StagingPool(num_slots=32, lease_seconds=30.0)
     slots_of: dict[str, list[int]] = {}
     consumers: dict[str, int] = {}
+    token_of: dict[str, str] = {}
     for rid, n in leases:
         slots_of[rid] = pool.reserve(rid, 2)
-        pool.lease(rid, consumers=n)
+        token_of[rid] = pool.lease(rid, consumers=n).token
         consumers[rid] = n
     released: dict[str, set[int]] = {rid: set() for rid, _ in leases}
     servicer = _Servicer(types.SimpleNamespace(leases=pool))
-    for verb, ids, rank in calls:
-        req = _pb().LeaseRequest(request_ids=ids, engine_id="d", tp_rank=rank)
+    for verb, ids, rank, proof in calls:
+        tokens = {"token": [token_of.get(rid, "0" * 32) for rid in ids], "none": [],
+                  "wrong": ["f" * 32 for _ in ids]}[proof]
+        req = _pb().LeaseRequest(request_ids=ids, engine_id="d", tp_rank=rank, lease_tokens=tokens)
         fn = servicer.ReleaseLease if verb == "release" else servicer.Heartbeat
         exc, reply = attempt(f"SideChannel {verb}", fn, req, FakeContext(), allowed=(_Aborted,))
         assert exc is None
         done, unknown, either = Counter(), Counter(), Counter()
         for rid in ids:
-            if verb == "release" and rid in released and rank >= consumers[rid]:
+            if verb == "release" and proof == "token" and rid in released and \
+                    rank >= consumers[rid]:
                 either[rid] += 1  # not one of this lease's consumers: acknowledging or refusing
                 continue  # are both fine, counting it towards freeing the slots is not
-            live = rid in released and len(released[rid] & set(range(consumers[rid]))) < \
-                consumers[rid]
+            live = proof == "token" and rid in released and \
+                len(released[rid] & set(range(consumers[rid]))) < consumers[rid]
             (done if live else unknown)[rid] += 1
             if verb == "release" and live:
                 released[rid].add(rank)

@@ -37,6 +37,13 @@ def record(**over) -> CompatibilityRecord:
     return dataclasses.replace(base, **over)
 
 
+def lease_token(request_id: str) -> str:
+    """The lease token the peer gives its lease of ``request_id`` (tests present it)."""
+    import hashlib
+
+    return hashlib.sha256(request_id.encode()).hexdigest()[:32]
+
+
 def payload(slot: int) -> np.ndarray:
     """Deterministic bytes of one slot, so the reader can verify what it got."""
     rng = np.random.default_rng(1000 + slot)
@@ -60,7 +67,7 @@ def serve(port_queue: mp.Queue, stop: mp.Event, leased: dict[str, list[int]], le
     for rid, slots in leased.items():
         got = pool.reserve(rid, len(slots))
         assert got == slots, (got, slots)
-        pool.lease(rid)
+        pool.lease(rid).token = lease_token(rid)  # known to the test, like params would carry
     info = StagingInfo(
         agent_name=transport.agent_name,
         agent_metadata=transport.local_metadata(),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from turbowire.connector.params import LeaseRef
 from turbowire.connector.sidechannel.client import SideChannelClient
 from turbowire.connector.transports.base import TransferState
 from turbowire.connector.transports.nixl import NixlTransport
@@ -78,13 +79,16 @@ def test_handshake_read_verify_release(prefill_peer):
         assert np.array_equal(got, want)
     assert nbytes == 3 * (700 + 800 + 900)
 
-    reply = client.release(["req-A"], "engine-D")
+    req_a = LeaseRef("req-A", peer.lease_token("req-A"))
+    req_b = LeaseRef("req-B", peer.lease_token("req-B"))
+    assert list(client.release(["req-A"], "engine-D").unknown) == ["req-A"]  # no lease token
+    reply = client.release([req_a], "engine-D")
     assert list(reply.done) == ["req-A"] and not reply.unknown
-    reply = client.release(["req-A", "never"], "engine-D")
+    reply = client.release([req_a, "never"], "engine-D")
     assert not reply.done and list(reply.unknown) == ["req-A", "never"]
-    reply = client.heartbeat(["req-B"], "engine-D")
+    reply = client.heartbeat([req_b], "engine-D")
     assert list(reply.done) == ["req-B"]
-    client.release(["req-B"], "engine-D")
+    client.release([req_b], "engine-D")
     transport.close()
     client.close()
     print(f"handshake {handshake_ms:.1f} ms")

@@ -76,6 +76,29 @@ CASES["both-external"] = {
     },
     "redis": {"url": "redis://redis.shared-infra.svc:6379/3"},
 }
+#: side-channel TLS: a kubernetes.io/tls Secret with the CA in another Secret, and a per-pod
+#: certificate from cert-manager's csi-driver (the pod IP as IP SAN, which a shared Secret lacks)
+TLS_DIR = "/etc/turbowire/side-channel-tls"
+CASES["side-channel-tls"] = {
+    "turbowire": {"sideChannel": {"tls": {
+        "enabled": True, "secretName": "tw-side-channel-tls", "caSecretName": "tw-side-channel-ca",
+        "caKey": "ca.pem",
+    }}},
+}  # fmt: skip
+CSI_VOLUME = {
+    "csi": {
+        "driver": "csi.cert-manager.io",
+        "readOnly": True,
+        "volumeAttributes": {
+            "csi.cert-manager.io/issuer-name": "tw-ca",
+            "csi.cert-manager.io/ip-sans": "${POD_IP}",
+            "csi.cert-manager.io/key-usages": "server auth,client auth",
+        },
+    }
+}
+CASES["side-channel-tls-csi"] = {
+    "turbowire": {"sideChannel": {"tls": {"enabled": True, "volume": CSI_VOLUME}}},
+}
 #: chart value under turbowire.store -> connector key (the README's and values.yaml's contract)
 STORE_VALUES = {
     "namespace": "store_namespace",
@@ -85,9 +108,32 @@ STORE_VALUES = {
     "chunkTokens": "store_chunk_tokens",
 }
 #: connector keys the chart sets from its own values, refused in turbowire.extraConfig
+TLS_KEYS = {"side_channel_tls_cert", "side_channel_tls_key", "side_channel_tls_ca"}
 RESERVED = {
     "preset", "side_channel_port", "side_channel_host", "auth_token", "transport", "store_url",
-} | set(STORE_VALUES.values())  # fmt: skip
+} | set(STORE_VALUES.values()) | TLS_KEYS  # fmt: skip
+
+
+def tls_on(values: dict[str, Any]) -> bool:
+    tls = values.get("turbowire", {}).get("sideChannel", {}).get("tls", {})
+    return bool(tls.get("enabled"))
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the mounted TLS volume holds: tls.crt/tls.key (IP SAN: the pod IP) and ca.crt."""
+    import ipaddress
+
+    from cryptography import x509
+    from support.pki import CA, ENGINE_EKU
+
+    root = tmp_path_factory.mktemp("side-channel-tls")
+    ca = CA("turbowire chart test CA")
+    cert, key = ca.issue("engine", [x509.IPAddress(ipaddress.ip_address(POD_IP))], ENGINE_EKU)
+    (root / "tls.crt").write_bytes(cert)
+    (root / "tls.key").write_bytes(key)
+    (root / "ca.crt").write_bytes(ca.pem)
+    return root
 
 
 def expected_store(values: dict[str, Any]) -> dict[str, Any] | None:
@@ -234,7 +280,9 @@ def test_objects_expected(rendered, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_kv_transfer_config_is_accepted_by_the_connector(rendered, case: str) -> None:
+def test_kv_transfer_config_is_accepted_by_the_connector(
+    rendered, tls_files: Path, case: str
+) -> None:
     deployments = engines(rendered[case])
     assert len(deployments) == 2
     values = CASES[case]
@@ -248,12 +296,21 @@ def test_kv_transfer_config_is_accepted_by_the_connector(rendered, case: str) ->
         # $(POD_IP) is expanded by the kubelet from the container's env
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         raw = arg_after(container["args"], "--kv-transfer-config").replace("$(POD_IP)", POD_IP)
+        # the TLS files are read at start: the test's PKI stands for the mounted volume
+        raw = raw.replace(TLS_DIR + "/", f"{tls_files}/")
         kv = json.loads(raw)
         assert kv["kv_connector"] == "TurboWireConnector"
         assert kv["kv_connector_module_path"] == "turbowire.connector"
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
         extra = extras[role] = kv["kv_connector_extra_config"]
         own = set(values.get("turbowire", {}).get("extraConfig", {}))
+        if tls_on(values):
+            own |= TLS_KEYS
+            assert {k: extra[k] for k in TLS_KEYS} == {
+                "side_channel_tls_cert": f"{tls_files}/tls.crt",
+                "side_channel_tls_key": f"{tls_files}/tls.key",
+                "side_channel_tls_ca": f"{tls_files}/ca.crt",
+            }
         if store is None:
             # nixl: exactly what the chart rendered before the store path (no transport key)
             assert set(extra) == {"preset", "side_channel_port", "side_channel_host"} | own
@@ -284,6 +341,11 @@ def test_kv_transfer_config_is_accepted_by_the_connector(rendered, case: str) ->
                 if key in store:
                     assert getattr(cfg, key) == store[key], key
         assert cfg.side_channel_host == POD_IP
+        if tls_on(values):
+            from turbowire.connector.sidechannel.server import SideChannelTLS
+
+            tls = SideChannelTLS.from_config(cfg)
+            assert tls is not None and tls.mode == "mTLS"  # serves TLS, requires client certs
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["side-channel"] == cfg.side_channel_port
         # the connector's own path, as the issue asks: no environment at all
@@ -292,6 +354,61 @@ def test_kv_transfer_config_is_accepted_by_the_connector(rendered, case: str) ->
     assert {k: v for k, v in extras["prefill"].items() if k.startswith(("store", "transport"))} == {
         k: v for k, v in extras["decode"].items() if k.startswith(("store", "transport"))
     }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_side_channel_tls_is_mounted_read_only_where_the_config_points(rendered, case) -> None:
+    """turbowire.sideChannel.tls: both engines mount the certificate, key and CA read-only at
+    one directory and their kv-transfer-config names the three files there; the proxy (no side
+    channel) mounts nothing; TLS off: no volume and no TLS key."""
+    values = CASES[case]
+    tls = values.get("turbowire", {}).get("sideChannel", {}).get("tls", {})
+    for dep in of_kind(rendered[case], "Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        role = dep["metadata"]["labels"]["app.kubernetes.io/component"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in spec["containers"]:
+            mounts = [m for m in container.get("volumeMounts", [])
+                      if m["name"] == "side-channel-tls"]
+            args = container.get("args", [])
+            if role not in ("prefill", "decode") or not tls.get("enabled"):
+                assert not mounts and "side-channel-tls" not in volumes
+                if "--kv-transfer-config" in args:
+                    extra = json.loads(arg_after(args, "--kv-transfer-config"))[
+                        "kv_connector_extra_config"]
+                    assert not TLS_KEYS & set(extra)
+                continue
+            assert mounts == [{"name": "side-channel-tls", "mountPath": TLS_DIR, "readOnly": True}]
+            extra = json.loads(arg_after(args, "--kv-transfer-config"))["kv_connector_extra_config"]
+            assert extra["side_channel_tls_cert"] == f"{TLS_DIR}/tls.crt"
+            assert extra["side_channel_tls_key"] == f"{TLS_DIR}/tls.key"
+            assert extra["side_channel_tls_ca"] == f"{TLS_DIR}/ca.crt"
+            volume = volumes["side-channel-tls"]
+            if tls.get("volume"):
+                assert {k: v for k, v in volume.items() if k != "name"} == tls["volume"]
+                continue
+            projected = volume["projected"]
+            assert projected["defaultMode"] == 0o440  # owner and fsGroup read, nobody writes
+            files = {
+                item["path"]: (src["secret"]["name"], item["key"])
+                for src in projected["sources"] for item in src["secret"]["items"]
+            }
+            ca_secret = tls.get("caSecretName") or tls["secretName"]
+            assert files == {
+                "tls.crt": (tls["secretName"], "tls.crt"),
+                "tls.key": (tls["secretName"], "tls.key"),
+                "ca.crt": (ca_secret, tls.get("caKey", "ca.crt")),
+            }
+
+
+def test_side_channel_tls_ca_defaults_to_the_tls_secret(chart) -> None:
+    values = {"turbowire": {"sideChannel": {"tls": {"enabled": True, "secretName": "tw-tls"}}}}
+    for dep in engines(render(chart, values)):
+        (volume,) = [v for v in dep["spec"]["template"]["spec"]["volumes"]
+                     if v["name"] == "side-channel-tls"]
+        sources = [s["secret"] for s in volume["projected"]["sources"]]
+        assert [s["name"] for s in sources] == ["tw-tls", "tw-tls"]
+        assert sources[1]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
 
 
 def test_store_values_are_not_rendered_with_nixl(chart) -> None:
@@ -872,6 +989,17 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"turbowire": {"extraConfig": {"lease_seconds": 0}}}, "lease_seconds"),
     ({"turbowire": {"sideChannelPort": 70000}}, "sideChannelPort"),
     ({"turbowire": {"authToken": {"value": "short"}}}, "value"),
+    ({"turbowire": {"sideChannel": {"tls": {"enabled": True}}}}, "turbowire.sideChannel.tls"),
+    ({"turbowire": {"sideChannel": {"tls": {"enabled": True, "secretName": "a",
+                                            "volume": CSI_VOLUME}}}}, "not both"),
+    ({"turbowire": {"sideChannel": {"tls": {"enabled": True, "volume": CSI_VOLUME,
+                                            "caSecretName": "ca"}}}}, "caSecretName"),
+    ({"turbowire": {"sideChannel": {"tls": {"enabled": "yes"}}}}, "enabled"),
+    ({"turbowire": {"sideChannel": {"tls": {"enabled": True, "secret": "a"}}}}, "secret"),
+    ({"turbowire": {"sideChannel": {"tls": {"enabled": True, "secretName": "Not_A_Name"}}}},
+     "secretName"),
+    ({"turbowire": {"extraConfig": {"side_channel_tls_cert": "/x.crt"}}}, "side_channel_tls_cert"),
+    ({"turbowire": {"extraConfig": {"side_channel_tls_ca": "/ca.crt"}}}, "side_channel_tls_ca"),
     ({"ucx": {"env": {"TLS": "tcp"}}}, "TLS"),
     ({"redis": {"enabled": True, "url": "redis://x:6379/0"}}, "redis"),
     ({"redis": {"url": "x:6379"}}, "url"),
@@ -956,7 +1084,10 @@ CONTRACT = [
     "model.name", "prefill.replicas", "decode.replicas", "turbowire.preset", "turbowire.transport",
     "turbowire.store.namespace", "turbowire.store.localCpuBytes", "turbowire.store.localDisk",
     "turbowire.store.ttlSeconds", "turbowire.store.chunkTokens",
-    "turbowire.extraConfig", "redis.enabled", "redis.url", "redis.maxmemory",
+    "turbowire.extraConfig", "turbowire.sideChannel.tls.enabled",
+    "turbowire.sideChannel.tls.secretName", "turbowire.sideChannel.tls.caSecretName",
+    "turbowire.sideChannel.tls.caKey", "turbowire.sideChannel.tls.volume", "redis.enabled",
+    "redis.url", "redis.maxmemory",
     "redis.maxmemoryPolicy", "monitoring.serviceMonitor.enabled",
     "monitoring.podMonitor.enabled", "monitoring.prometheusRule.enabled",
     "monitoring.grafanaDashboard.enabled", "networkPolicy.enabled", "image.repository",

@@ -57,6 +57,8 @@ PREFILL_PARAMS = {
 }
 DROP_FOR_PREFILL = ("stream_options", "min_tokens")
 MAX_RECORDS = 1024
+#: prefill kv_transfer_params fields forwarded to decode but never shown in request records
+SECRET_KV_FIELDS = frozenset({"turbowire_lease_token"})
 #: Largest request body the proxy reads (a 128k-token prompt is ~1 MB as text or token ids);
 #: a larger one is refused with 413 before it is parsed. ``--max-body-bytes`` changes it.
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -580,7 +582,12 @@ class PDProxy:
             return self._error(rec, outcome, p_resp.status_code, p_resp.text, passthrough=True)
         p_json = p_resp.json()
         kv = p_json.get("kv_transfer_params")
-        rec.kv_transfer_params = kv
+        # served at GET /turbowire/requests/{id}: never the lease token, which lets its holder
+        # release or extend that request's staging on the prefill engine
+        rec.kv_transfer_params = (
+            {k: v for k, v in kv.items() if k not in SECRET_KV_FIELDS}
+            if isinstance(kv, dict) else kv
+        )
         rec.prompt_tokens = (p_json.get("usage") or {}).get("prompt_tokens", rec.prompt_tokens)
         d_body = dict(body)
         if kv:

@@ -180,6 +180,11 @@ spec:
               mountPath: /tmp
             - name: cache
               mountPath: /cache
+            {{- if include "turbowire.sideChannelTls" $root }}
+            - name: side-channel-tls
+              mountPath: {{ include "turbowire.sideChannelTlsDir" $root }}
+              readOnly: true
+            {{- end }}
             {{- with $e.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -198,6 +203,9 @@ spec:
           emptyDir:
             sizeLimit: {{ $v.model.cache.sizeLimit }}
           {{- end }}
+        {{- if include "turbowire.sideChannelTls" $root }}
+        {{- include "turbowire.sideChannelTlsVolume" $root | nindent 8 }}
+        {{- end }}
         {{- with $e.extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

@@ -55,6 +55,55 @@ app.kubernetes.io/part-of: turbowire
 {{- default (printf "%s-auth" (include "turbowire.fullname" .)) .Values.turbowire.authToken.existingSecret -}}
 {{- end -}}
 
+{{/* Where the side channel's TLS files are mounted (turbowire.sideChannel.tls). */}}
+{{- define "turbowire.sideChannelTlsDir" -}}/etc/turbowire/side-channel-tls{{- end -}}
+
+{{/*
+"true" when turbowire.sideChannel.tls is on (and its source is valid: exactly one of secretName
+and volume), else "".
+*/}}
+{{- define "turbowire.sideChannelTls" -}}
+{{- $sc := .Values.turbowire.sideChannel | default dict -}}
+{{- $tls := $sc.tls | default dict -}}
+{{- if $tls.enabled -}}
+{{- if and $tls.secretName $tls.volume -}}
+{{- fail "turbowire.sideChannel.tls: set secretName (a kubernetes.io/tls Secret) or volume (e.g. a cert-manager csi-driver volume), not both" -}}
+{{- end -}}
+{{- if not (or $tls.secretName $tls.volume) -}}
+{{- fail "turbowire.sideChannel.tls.enabled needs turbowire.sideChannel.tls.secretName (a kubernetes.io/tls Secret with tls.crt and tls.key, the CA in caKey of caSecretName or of the same Secret) or turbowire.sideChannel.tls.volume" -}}
+{{- end -}}
+{{- if and $tls.caSecretName (not $tls.secretName) -}}
+{{- fail "turbowire.sideChannel.tls.caSecretName goes with secretName; a volume provides ca.crt itself" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The pod volume of the side channel's TLS files (mounted read-only by the engines). */}}
+{{- define "turbowire.sideChannelTlsVolume" -}}
+{{- $tls := .Values.turbowire.sideChannel.tls -}}
+- name: side-channel-tls
+{{- if $tls.volume }}
+  {{- toYaml $tls.volume | nindent 2 }}
+{{- else }}
+  projected:
+    defaultMode: 0440
+    sources:
+      - secret:
+          name: {{ $tls.secretName }}
+          items:
+            - key: tls.crt
+              path: tls.crt
+            - key: tls.key
+              path: tls.key
+      - secret:
+          name: {{ default $tls.secretName $tls.caSecretName }}
+          items:
+            - key: {{ $tls.caKey | default "ca.crt" }}
+              path: ca.crt
+{{- end }}
+{{- end -}}
+
 {{/* The Redis of the store path: the one deployed here (its Service) or redis.url; "" if none. */}}
 {{- define "turbowire.redisUrl" -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
@@ -97,7 +146,8 @@ The --kv-transfer-config of one engine role ("prefill" or "decode"), as JSON. Th
 validates every key of kv_connector_extra_config at start (connector/config.py); the chart renders
 only keys it knows: the preset, the side-channel port, the advertised host (the pod IP, expanded by
 the kubelet from $(POD_IP)), with transport store/both the store keys (transport, store_url,
-store_namespace and the turbowire.store values that are set), and turbowire.extraConfig. The keys
+store_namespace and the turbowire.store values that are set), the TLS files of
+turbowire.sideChannel.tls when it is on, and turbowire.extraConfig. The keys
 the chart sets are refused in extraConfig (generate.py RESERVED_KEYS names the same), so no value
 silently overrides another. With transport nixl no transport or store key is rendered (the
 connector's default is nixl).
@@ -106,13 +156,19 @@ connector's default is nixl).
 {{- $root := index . 0 -}}
 {{- $role := index . 1 -}}
 {{- $v := $root.Values -}}
-{{- $reserved := dict "preset" "turbowire.preset" "side_channel_port" "turbowire.sideChannelPort" "side_channel_host" "the pod IP (set by the chart)" "auth_token" "turbowire.authToken" "transport" "turbowire.transport" "store_url" "redis.enabled or redis.url" "store_namespace" "turbowire.store.namespace" "store_local_cpu_bytes" "turbowire.store.localCpuBytes" "store_local_disk" "turbowire.store.localDisk" "store_ttl_seconds" "turbowire.store.ttlSeconds" "store_chunk_tokens" "turbowire.store.chunkTokens" -}}
+{{- $reserved := dict "preset" "turbowire.preset" "side_channel_port" "turbowire.sideChannelPort" "side_channel_host" "the pod IP (set by the chart)" "auth_token" "turbowire.authToken" "transport" "turbowire.transport" "store_url" "redis.enabled or redis.url" "store_namespace" "turbowire.store.namespace" "store_local_cpu_bytes" "turbowire.store.localCpuBytes" "store_local_disk" "turbowire.store.localDisk" "store_ttl_seconds" "turbowire.store.ttlSeconds" "store_chunk_tokens" "turbowire.store.chunkTokens" "side_channel_tls_cert" "turbowire.sideChannel.tls" "side_channel_tls_key" "turbowire.sideChannel.tls" "side_channel_tls_ca" "turbowire.sideChannel.tls" -}}
 {{- range $k, $_ := $v.turbowire.extraConfig -}}
 {{- if hasKey $reserved $k -}}
 {{- fail (printf "turbowire.extraConfig.%s: set it through its own value (%s), not extraConfig" $k (index $reserved $k)) -}}
 {{- end -}}
 {{- end -}}
 {{- $extra := dict "preset" $v.turbowire.preset "side_channel_port" (int $v.turbowire.sideChannelPort) "side_channel_host" "$(POD_IP)" -}}
+{{- if include "turbowire.sideChannelTls" $root -}}
+{{- $dir := include "turbowire.sideChannelTlsDir" $root -}}
+{{- $_ := set $extra "side_channel_tls_cert" (printf "%s/tls.crt" $dir) -}}
+{{- $_ = set $extra "side_channel_tls_key" (printf "%s/tls.key" $dir) -}}
+{{- $_ = set $extra "side_channel_tls_ca" (printf "%s/ca.crt" $dir) -}}
+{{- end -}}
 {{- if include "turbowire.usesStore" $root -}}
 {{- if eq (toString (index $v.turbowire.extraConfig "load_failure_policy")) "fail" -}}
 {{- fail (printf "turbowire.extraConfig.load_failure_policy=fail cannot be used with turbowire.transport=%s: a store miss recomputes, it never fails the request (use recompute, or leave it unset)" $v.turbowire.transport) -}}

@@ -115,3 +115,54 @@ def test_geometry_layout_and_bounds():
         layout.check_slots([0, 9])
     assert blocks_for_tokens(70, 32) == 3 and tokens_in_block(2, 70, 32) == 6
     assert block_tag("r", 1) != block_tag("r", 2) and 0 <= block_tag("r", 1) < 2**31
+
+
+# ---- turbowire_lease_token: the lease's capability (transfer format 2)
+TOKEN = "0123456789abcdef" * 2
+
+
+def test_lease_token_is_parsed_and_travels_with_the_request_id():
+    import pickle
+
+    from turbowire.connector.params import LeaseRef, lease_token_of
+
+    r = RemotePrefill.parse(_params(turbowire_format_version=2, turbowire_lease_token=TOKEN), 32)
+    assert r.lease_token == TOKEN
+    ref = r.lease
+    assert ref == "req-1" and hash(ref) == hash("req-1") and ref in ["req-1"]
+    assert lease_token_of(ref) == TOKEN and lease_token_of("req-1") == ""
+    assert TOKEN not in repr(ref) and TOKEN not in f"{ref}" and TOKEN not in "%s" % ref
+    assert str(ref) == "req-1" and type(str(ref)) is str
+    again = pickle.loads(pickle.dumps(ref))  # vLLM pickles the metadata to the workers
+    assert isinstance(again, LeaseRef) and again == "req-1" and again.lease_token == TOKEN
+    assert LeaseRef("x").lease_token == ""
+
+
+def test_prefill_result_carries_the_token():
+    p = prefill_result(
+        engine_id="e", request_id="r", host="h", port=1, slots=[0], num_tokens=1, tp_size=1,
+        preset="tq4", format_version=2, prompt_hash="h", lease_seconds=30.0, dense_bytes=1,
+        wire_bytes=1, lease_token=TOKEN,
+    )
+    assert p["turbowire_lease_token"] == TOKEN
+    assert RemotePrefill.parse(p, 32).lease_token == TOKEN
+
+
+@pytest.mark.parametrize("token", [
+    "", "0" * 31, "0" * 129, "0123456789ABCDEF" * 2, "g" * 32, " " + "0" * 32, 12345, ["0" * 32],
+    "0" * 100_000,
+])
+def test_malformed_lease_token_is_refused(token):
+    with pytest.raises(TransferParamsError, match="turbowire_lease_token"):
+        RemotePrefill.parse(_params(turbowire_format_version=2, turbowire_lease_token=token), 32)
+
+
+def test_format_2_params_with_slots_need_the_token():
+    with pytest.raises(TransferParamsError, match="turbowire_lease_token is missing"):
+        RemotePrefill.parse(_params(turbowire_format_version=2), 32)
+    # nothing staged (a fallback): no lease, no token needed
+    empty = _params(turbowire_format_version=2, remote_block_ids=[], remote_num_tokens=0,
+                    turbowire_fallback="staging_full")
+    assert RemotePrefill.parse(empty, 32).lease_token is None
+    # an older prefill engine (format 1) sends none: parsed, then declined as incompatible
+    assert RemotePrefill.parse(_params(), 32).lease_token is None

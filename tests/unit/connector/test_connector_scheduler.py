@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -11,12 +12,14 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import RequestStatus
 
+from turbowire.connector.compat import FORMAT_VERSION
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import block_tag
 from turbowire.connector.params import prompt_digest
 from turbowire.connector.scheduler import TurboWireScheduler
 
 BS = 32
+LEASE_TOKEN = "ab" * 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 
 
@@ -147,8 +150,9 @@ def _remote_params(n: int, **over) -> dict:
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-P",
         "remote_request_id": "p-req", "remote_host": "127.0.0.1", "remote_port": 5700,
         "remote_block_ids": list(range(10, 10 + (n + BS - 1) // BS)), "remote_num_tokens": n,
-        "tp_size": 1, "turbowire_preset": "tq4", "turbowire_format_version": 1,
+        "tp_size": 1, "turbowire_preset": "tq4", "turbowire_format_version": FORMAT_VERSION,
         "turbowire_prompt_hash": prompt_digest(list(range(n)), n), "turbowire_lease_seconds": 30,
+        "turbowire_lease_token": LEASE_TOKEN,
     }
     p.update(over)
     return p
@@ -301,3 +305,291 @@ def test_load_config_validates_and_sets_vllm_failure_policy():
     )
     with pytest.raises(ConnectorConfigError, match="preset='tq9' is unknown"):
         load_config(SimpleNamespace(kv_transfer_config=bad))
+
+
+def _cleanup_request(req_id: str, params: dict):
+    """vLLM's pre-aborted request (AsyncLLM.notify_kv_transfer_request_rejected): the serving
+    layer's placeholder prompt [0], max_tokens 1, ``abort_immediately``, finished as aborted."""
+    return SimpleNamespace(
+        request_id=req_id, kv_transfer_params=dict(params), num_prompt_tokens=1,
+        num_computed_tokens=0, prompt_token_ids=[0], status=RequestStatus.FINISHED_ABORTED,
+        abort_immediately=True,
+    )
+
+
+def _failure_counts(sched) -> dict[str, float]:
+    stats = sched.get_stats()
+    counters = stats.data["counters"] if stats is not None else {}
+    return {k: v for k, v in counters.items() if k.startswith(("failures|", "fallbacks|"))}
+
+
+def test_cleanup_request_after_a_failed_load_is_not_a_prompt_mismatch():
+    """load_failure_policy fail: the load fails (counted by its reason), vLLM finishes the
+    request in error, the serving layer answers an error and submits a pre-aborted cleanup
+    request with the same params and a placeholder prompt. It used to be validated like a load
+    (prompt hash of [0]) and counted ``prompt_mismatch``; it is a cleanup: nothing is counted,
+    and the lease its load already released is not released a second time."""
+    sched = make_scheduler()
+    params = _remote_params(100)
+    req = request("d1", 100, params)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (100, True)
+    sched.update_state_after_alloc(req, _blocks([40, 41, 42, 43], hashed=0), 100)
+    (load,) = step(sched, {}).loads
+    assert not load.release_only  # the worker's load releases the lease, failed or not
+    sched.get_stats()  # the load's own failure would be counted by the worker, not here
+    req.status = RequestStatus.FINISHED_ERROR
+    assert sched.request_finished(req, [40, 41, 42, 43]) == (False, None)
+
+    cleanup = _cleanup_request("d1", params)
+    sched.on_new_request(cleanup)
+    assert not sched._heartbeats  # nothing to wait for
+    assert sched.request_finished(cleanup, []) == (False, None)
+    assert not step(sched, {}).loads  # no second release of the same lease
+    assert _failure_counts(sched) == {}
+    sched.shutdown()
+
+
+def test_cleanup_request_of_a_request_never_seen_releases_without_counting():
+    """The serving layer refused the request before the engine saw it: the cleanup is the only
+    thing that lets the prefill engine go. Its release is queued; no load check is counted."""
+    sched = make_scheduler()
+    cleanup = _cleanup_request("d9", _remote_params(100))
+    sched.on_new_request(cleanup)
+    assert sched.request_finished(cleanup, []) == (False, None)
+    (load,) = step(sched, {}).loads
+    assert load.release_only and load.remote_request_id == "p-req"
+    assert _failure_counts(sched) == {}
+
+    malformed = _cleanup_request("d10", _remote_params(100, remote_port="x"))
+    sched.on_new_request(malformed)
+    assert sched.request_finished(malformed, []) == (False, None)
+    assert not step(sched, {}).loads
+    assert _failure_counts(sched) == {}
+    sched.shutdown()
+
+
+# ---- lease capabilities (issue 17): forged params must not release another request's lease
+def _finish_prefill(sched, mgr, rid: str, n: int = 64) -> dict:
+    req = request(rid, n, {"do_remote_decode": True})
+    sched.on_new_request(req)
+    mgr.blocks[rid] = list(range(blocks := (n + BS - 1) // BS))
+    step(sched, {rid: n})
+    req.num_computed_tokens = n
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = sched.request_finished(req, list(range(blocks)))
+    return params
+
+
+def test_prefill_issues_a_lease_token_the_decode_side_presents(prefill):
+    from turbowire.connector.params import lease_token_of
+
+    sched, mgr = prefill
+    params = _finish_prefill(sched, mgr, "victim")
+    token = params["turbowire_lease_token"]
+    assert len(token) == 32 and token == sched.pool._leases["victim"].token
+    assert params["turbowire_format_version"] == FORMAT_VERSION == 2
+
+    decode = make_scheduler()
+    req = request("d-victim", 64, params)
+    decode.on_new_request(req)
+    assert lease_token_of(decode._heartbeats["d-victim"].remote_request_id) == token
+    assert decode.get_num_new_matched_tokens(req, 0) == (64, True)
+    decode.update_state_after_alloc(req, _blocks([1, 2], 0), 64)
+    (load,) = step(decode, {}).loads
+    assert load.remote_request_id == "victim" and lease_token_of(load.remote_request_id) == token
+    assert all(b.tag == block_tag("victim", b.index) for b in load.blocks)  # tags: the plain id
+    decode.shutdown()
+
+
+@pytest.mark.parametrize("forged_token", [None, "wrong"])
+def test_forged_params_naming_a_live_request_do_not_release_it(prefill, forged_token):
+    """A client (or router) sends the decode engine params naming another live request's
+    remote_request_id: before, the decode engine refused the load (prompt_mismatch) and released
+    the victim's lease, so the victim recomputed. Now the release carries the forged params'
+    token, which is not the victim's: the prefill engine keeps the lease and counts the refusal."""
+    from turbowire.connector.params import lease_token_of
+    from turbowire.connector.scheduler import _GaugedLeases
+
+    sched, mgr = prefill
+    victim = _finish_prefill(sched, mgr, "victim")
+    sched.get_stats()
+    forged = dict(victim, turbowire_prompt_hash="0" * 24)  # not the attacker's prompt either
+    if forged_token is None:
+        forged.pop("turbowire_lease_token")
+    else:
+        forged["turbowire_lease_token"] = "f" * 32
+    decode = make_scheduler()
+    attacker = request("d-attacker", 64, forged)
+    decode.on_new_request(attacker)
+    assert decode.get_num_new_matched_tokens(attacker, 0) == (0, False)
+    decode.update_state_after_alloc(attacker, _blocks([1, 2], 0), 0)
+    for load in step(decode, {}).loads:  # what the decode worker sends over the side channel
+        ref = load.remote_request_id
+        assert _GaugedLeases(sched).release([str(ref)], 0, [lease_token_of(ref)]) == (
+            [], ["victim"])
+        assert _GaugedLeases(sched).heartbeat([str(ref)], [lease_token_of(ref)]) == (
+            [], ["victim"])
+    assert sched.pool.has_lease("victim")  # the victim still gets its KV
+    counters = sched.get_stats()
+    if forged_token is not None:
+        assert sum(v for k, v in counters.data["counters"].items()
+                   if k.startswith("failures|reason=bad_params")) == 1
+    # the real holder releases it
+    assert _GaugedLeases(sched).release(["victim"], 0, [victim["turbowire_lease_token"]]) == (
+        ["victim"], [])
+    decode.shutdown()
+
+
+def test_a_release_without_token_is_counted_as_an_older_peer(prefill):
+    from turbowire.connector.scheduler import _GaugedLeases
+
+    sched, mgr = prefill
+    _finish_prefill(sched, mgr, "r1")
+    sched.get_stats()
+    for _ in range(3):  # an old decode engine heartbeats repeatedly: counted once
+        assert _GaugedLeases(sched).heartbeat(["r1"], [""]) == ([], ["r1"])
+    counters = sched.get_stats().data["counters"]
+    assert {k: v for k, v in counters.items() if k.startswith("failures|")} == {
+        "failures|reason=incompatible": 1}
+    assert sched.pool.has_lease("r1")
+
+
+def test_params_of_an_older_prefill_engine_are_refused_as_incompatible():
+    """Format 1 params (no lease token): declined naming the version, counted incompatible, and
+    the release still goes out (an old prefill engine frees the lease without a token)."""
+    from turbowire.connector.params import lease_token_of
+
+    sched = make_scheduler()
+    old = _remote_params(100, turbowire_format_version=1)
+    old.pop("turbowire_lease_token")
+    req = request("d-old", 100, old)
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, _blocks([1, 2, 3, 4], 0), 0)
+    (load,) = step(sched, {}).loads
+    assert load.release_only and lease_token_of(load.remote_request_id) == ""
+    counters = sched.get_stats().data["counters"]
+    assert {k: v for k, v in counters.items() if k.startswith("failures|")} == {
+        "failures|reason=incompatible": 1}
+    sched.shutdown()
+
+
+# ---- staging gauges on an idle engine (issue 17): exported true after the last request
+def _exporter():
+    """vLLM's frontend side: TurboWirePromMetrics on a private registry."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from turbowire.connector.prom import build_prom_metrics
+
+    reg = CollectorRegistry()
+    types = {Gauge: functools.partial(Gauge, registry=reg),
+             Counter: functools.partial(Counter, registry=reg),
+             Histogram: functools.partial(Histogram, registry=reg)}
+    cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(
+        kv_connector="TurboWireConnector", kv_role="kv_both"))
+    return reg, build_prom_metrics(cfg, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+
+def _exported(reg) -> dict[str, float]:
+    return {name: reg.get_sample_value(name, {"model_name": "tiny", "engine": "0", "role": "both"})
+            for name in ("turbowire_staging_in_use_bytes", "turbowire_leases_outstanding")}
+
+
+def _engine_step(sched, prom) -> None:
+    """One step of vLLM's engine core as the connector sees it: schedule (connector metadata),
+    update_from_output (scheduler-side stats), the frontend records the stats."""
+    step(sched, {})
+    stats = sched.get_stats()
+    if stats is not None:
+        prom.observe(stats.to_dict(), 0)
+
+
+def _engine_idles(sched, prom, max_steps: int = 20) -> int:
+    """vLLM's busy loop with no requests: it steps only while the connector asks for it
+    (Scheduler.has_requests -> connector.has_pending_push_work), then blocks on its input queue
+    for good. Returns the steps it made."""
+    steps = 0
+    while sched.has_pending_push_work():
+        assert steps < max_steps, "the engine would never go idle"
+        _engine_step(sched, prom)
+        steps += 1
+    return steps
+
+
+def test_gauges_return_to_zero_after_leases_expire_on_an_idle_engine(prefill):
+    """The last request's lease is never read (the decode engine died): the lease reaper frees
+    it while no request is left. The pool lives in the engine-core process and /metrics is the
+    frontend's, fed only by engine steps; before, an idle engine made no step and the exported
+    gauges stayed at their last value forever. Now the connector keeps the engine stepping
+    while leases are outstanding and until the exported gauges match the pool."""
+    sched, mgr = prefill
+    reg, prom = _exporter()
+    now = [1000.0]
+    sched.pool.clock = lambda: now[0]
+    _finish_prefill(sched, mgr, "no-show", n=64)
+    _engine_step(sched, prom)
+    held = _exported(reg)
+    assert held["turbowire_leases_outstanding"] == 1
+    assert held["turbowire_staging_in_use_bytes"] == 2 * sched.layout.slot_bytes
+    assert sched.has_pending_push_work()  # a lease is out: the engine must not go to sleep
+
+    # no request, no step from traffic; the lease expires and the reaper thread frees it
+    now[0] += sched.config.lease_seconds + 1
+    sched._start_maintenance()
+    for _ in range(100):
+        if not sched.pool.snapshot().leases:
+            break
+        threading.Event().wait(0.05)
+    assert sched.pool.snapshot().used_slots == 0
+    assert _exported(reg) == held  # not exported yet: only an engine step carries stats
+
+    assert _engine_idles(sched, prom) >= 1
+    assert _exported(reg) == {"turbowire_staging_in_use_bytes": 0.0,
+                              "turbowire_leases_outstanding": 0.0}
+    assert not sched.has_pending_push_work()  # idle for good, and the gauges are true
+    sched.shutdown()
+
+
+def test_gauges_follow_a_release_made_on_a_side_channel_thread_after_the_last_step(prefill):
+    from turbowire.connector.scheduler import _GaugedLeases
+
+    sched, mgr = prefill
+    reg, prom = _exporter()
+    params = _finish_prefill(sched, mgr, "r1", n=64)
+    _engine_step(sched, prom)
+    assert _exported(reg)["turbowire_leases_outstanding"] == 1
+    done = []
+    t = threading.Thread(target=lambda: done.append(_GaugedLeases(sched).release(
+        ["r1"], 0, [params["turbowire_lease_token"]])))
+    t.start()
+    t.join()
+    assert done == [(["r1"], [])]
+    _engine_idles(sched, prom)
+    assert _exported(reg) == {"turbowire_staging_in_use_bytes": 0.0,
+                              "turbowire_leases_outstanding": 0.0}
+    assert not sched.has_pending_push_work()
+
+
+def test_an_idle_engine_with_nothing_staged_does_not_step():
+    sched = make_scheduler()
+    assert not sched.has_pending_push_work()
+    reg, prom = _exporter()
+    _engine_step(sched, prom)  # the first step carries the initial gauges
+    assert _exported(reg) == {"turbowire_staging_in_use_bytes": 0.0,
+                              "turbowire_leases_outstanding": 0.0}
+    assert not sched.has_pending_push_work()
+    sched.shutdown()
+
+
+def test_the_connector_facade_forwards_has_pending_push_work():
+    from turbowire.connector.connector import TurboWireConnector
+
+    facade = TurboWireConnector.__new__(TurboWireConnector)
+    facade.connector_worker = None
+    facade.connector_scheduler = SimpleNamespace(has_pending_push_work=lambda: True)
+    assert facade.has_pending_push_work() is True
+    facade.connector_scheduler = None
+    assert facade.has_pending_push_work() is False

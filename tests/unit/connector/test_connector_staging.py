@@ -175,3 +175,54 @@ def test_a_request_larger_than_the_whole_pool_falls_back_at_once():
         pool.reserve("huge", 9)
     snap = pool.snapshot()
     assert snap.used_slots == 0 and snap.reserved_requests == 0
+
+
+# ---- lease capabilities (issue 17: forged kv_transfer_params released another request's lease)
+def _leased(pool: StagingPool, rid: str, n: int = 2, consumers: int = 1):
+    pool.reserve(rid, n)
+    return pool.lease(rid, consumers=consumers)
+
+
+def test_every_lease_gets_its_own_unguessable_token():
+    pool = StagingPool(num_slots=8, lease_seconds=10)
+    a, b = _leased(pool, "a"), _leased(pool, "b")
+    assert len(a.token) == 32 and int(a.token, 16) >= 0
+    assert a.token != b.token
+    assert a.token not in repr(a)  # never in a log line
+
+
+def test_release_and_heartbeat_without_the_token_touch_nothing():
+    """The victim's lease survives a release (and a heartbeat) that names its request id with
+    no token or a wrong one: the caller hears "unknown", the refusal is reported once."""
+    clock = FakeClock()
+    refused: list[tuple[list[str], list[str]]] = []
+    pool = StagingPool(num_slots=8, lease_seconds=10, clock=clock,
+                       on_refused=lambda missing, wrong: refused.append((missing, wrong)))
+    victim = _leased(pool, "victim")
+    wrong = "0" * 32 if victim.token != "0" * 32 else "1" * 32
+    assert pool.release(["victim"], 0, [""]) == ([], ["victim"])
+    assert pool.release(["victim"], 0, [wrong]) == ([], ["victim"])
+    assert pool.heartbeat(["victim"], [wrong]) == ([], ["victim"])
+    assert pool.release(["victim"], 0, []) == ([], ["victim"])  # fewer tokens than ids
+    assert pool.has_lease("victim") and pool.snapshot().used_slots == 2
+    assert refused == [(["victim"], [])]  # the lease's first refusal only
+    expires = pool._leases["victim"].expires_at
+    clock.now += 5
+    assert pool.heartbeat(["victim"], [wrong]) == ([], ["victim"])
+    assert pool._leases["victim"].expires_at == expires  # not extended
+    # the holder of the params still can
+    assert pool.heartbeat(["victim"], [victim.token]) == (["victim"], [])
+    assert pool.release(["victim"], 0, [victim.token]) == (["victim"], [])
+    assert pool.snapshot().used_slots == 0
+
+
+def test_tokens_are_checked_per_id_and_per_rank():
+    pool = StagingPool(num_slots=8, lease_seconds=10)
+    a = _leased(pool, "a", consumers=2)
+    b = _leased(pool, "b")
+    done, unknown = pool.release(["a", "b"], 0, [a.token, a.token])  # b presents a's token
+    assert done == ["a"] and unknown == ["b"]
+    assert pool.release(["a"], 1, ["f" * 32]) == ([], ["a"])  # rank 1, wrong token: still held
+    assert pool.has_lease("a")
+    assert pool.release(["a", "b"], 1, [a.token, b.token])[0] == ["a"]  # b: rank 1 not a reader
+    assert not pool.has_lease("a") and pool.has_lease("b")

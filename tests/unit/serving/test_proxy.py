@@ -48,6 +48,7 @@ class FakeEngines:
                     "remote_engine_id": f"eng-{host}", "remote_request_id": "r1",
                     "remote_host": "127.0.0.1", "remote_port": 5700,
                     "remote_block_ids": [0], "remote_num_tokens": 7, "tp_size": 1,
+                    "turbowire_lease_token": "ab" * 16,
                 },
             })
         if body.get("stream"):
@@ -104,6 +105,17 @@ def test_two_step_flow_round_robin_and_request_id(client, engines):
     assert rec["decode_report"]["transfer_ms"] == 3.5
     assert rec["kv_transfer_params"]["remote_num_tokens"] == 7
     assert client.get("/turbowire/requests/nope").status_code == 404
+
+
+def test_lease_token_reaches_decode_but_not_the_request_records(client, engines):
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5},
+                    headers={"X-Request-Id": "tok-1"})
+    assert r.status_code == 200
+    decode = [body for host, _, body, _ in engines.calls if host == "d0"]
+    assert decode[-1]["kv_transfer_params"]["turbowire_lease_token"] == "ab" * 16
+    rec = client.get("/turbowire/requests/tok-1").json()
+    assert "turbowire_lease_token" not in rec["kv_transfer_params"]
+    assert rec["kv_transfer_params"]["remote_request_id"] == "r1"
 
 
 def test_chat_streaming_passthrough(client, engines):
