@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv lint test test-unit fuzz demo eval bench-kernels bench-e2e clean
+.PHONY: setup system-deps venv lint test test-unit fuzz soak demo eval bench-kernels bench-e2e clean
 
 # build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
 APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
@@ -65,6 +65,14 @@ test-unit: venv
 FUZZ_SECONDS ?= 300
 fuzz: venv
 	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS)
+
+# soak: SOAK_REQUESTS seeded requests at concurrency 8 through the proxy to a prefill + decode
+# pair, client aborts included; exits 1 when a leak bound is violated (CI runs a 100-request
+# slice: tests/e2e/test_soak_e2e.py)
+SOAK_REQUESTS ?= 1000
+SOAK_ARGS ?=
+soak: setup
+	$(VENV)/bin/turbowire soak --requests $(SOAK_REQUESTS) --concurrency 8 --out bench/results/soak/soak.json $(SOAK_ARGS)
 
 eval: setup
 	$(VENV)/bin/turbowire eval

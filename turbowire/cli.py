@@ -29,7 +29,7 @@ app = typer.Typer(
 )
 
 # Order is the order shown in --help. A module that is not there yet is skipped.
-COMMAND_MODULES = ["presets", "eval", "models", "proxy", "demo", "metrics", "bench"]
+COMMAND_MODULES = ["presets", "eval", "models", "proxy", "demo", "metrics", "bench", "soak"]
 
 
 def _version_callback(value: bool) -> None:

@@ -1,0 +1,47 @@
+"""CI slice of ``turbowire soak``: 100 seeded requests at concurrency 8 through the real proxy to
+a prefill + decode pair (tiny model, preset tq4, 5-second leases), 10 of them closed by the client
+before the first token or mid-stream; the bounds of the full run must hold (no failed request,
+staging and KV usage back to baseline, no fd/thread/RSS growth beyond the bounds, sampled greedy
+outputs equal to a replay up to near-tie flips)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from turbowire.serving.soak import SoakConfig, run_soak
+
+pytestmark = pytest.mark.e2e
+
+#: Known issue (soak, issue 17): the prefill engine's Worker process grows ~0.3-0.45 MiB per
+#: request beyond what the same worker grows serving requests alone, only when the decode engine
+#: READs its staging over NIXL (prefill with do_remote_decode and no reader does not grow more).
+#: While it stands, that one bound makes the test xfail (every other bound is still asserted);
+#: delete this once the growth is fixed.
+KNOWN_RSS_ISSUE = "prefill tree RSS growth (bytes)"
+
+
+def test_soak_100_requests(tiny_model, engine_slot, tmp_path, monkeypatch):
+    # the session already holds the machine-wide engine lock (engine_slot): run_soak must not
+    # take it a second time (flock from a second open file of the same process would block)
+    monkeypatch.setenv("TW_ENGINE_LOCK_HELD", "1")
+    cfg = SoakConfig(requests=100, concurrency=8, abort_fraction=0.1, seed=2, preset="tq4",
+                     warmup_requests=30)
+    t0 = time.monotonic()
+    report = run_soak(cfg, model=tiny_model, log_dir=tmp_path / "logs")
+    result = report.to_dict() | {"wall_s": time.monotonic() - t0}
+    (tmp_path / "soak.json").write_text(json.dumps(result, indent=2))
+    assert len(report.outcomes) == 100
+    assert report.count("ok") + report.aborted == 100, result["failures"]
+    # the client really went away in both places (seeded plan: 5 early and 5 mid-stream aborts)
+    assert report.count("aborted_before_first_token") >= 1, result
+    assert report.count("aborted_mid_stream") >= 1, result
+    assert report.greedy_checked >= 8
+    violated = [c for c in report.checks if not c.ok]
+    others = [c for c in violated if c.name != KNOWN_RSS_ISSUE]
+    assert not others, (others, result["failures"], f"logs: {tmp_path / 'logs'}")
+    if violated:
+        pytest.xfail(f"known issue: {violated[0].name} {violated[0].value / 2**20:.1f} MiB > "
+                     f"{violated[0].bound / 2**20:.1f} MiB ({tmp_path / 'soak.json'})")
