@@ -92,5 +92,10 @@ bench-e2e: setup
 bench-kernels:
 	$(if $(wildcard $(PY)),$(PY),python3) bench/kernels.py --out $${OUT:-bench/results/kernels} $(BENCH_KERNELS_ARGS)
 
+# on the GPU machine: the connector's worker-side GPU path driven as vLLM's model runner drives it
+# (save path vs a stand-in forward, load path vs the one-launch decode; issue 18), ~5 min
+bench-gpu-path:
+	$(if $(wildcard $(PY)),$(PY),python3) bench/gpu_connector_path.py --out $${OUT:-bench/results/gpu_connector_path} $(BENCH_GPU_PATH_ARGS)
+
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -15,13 +15,20 @@ side-channel clients; everything between vLLM's calls and the kernels is the rea
    8 KV heads x hd128, block size 16, vLLM's GPU cache layout [2, blocks, 16, 8, 128] per layer,
    block ids shuffled), a stand-in forward of bf16 matmuls (qkv, o, gate_up, down) with the
    layer's KV written into the paged cache, ``save_kv_layer`` after each layer's "attention"
-   and ``wait_for_save`` after the last, as vLLM calls them. Times (CUDA events on the forward
-   stream, median): forward alone, forward + save path (per-layer launches; one batched launch;
-   per-layer + a host sync at the end of wait_for_save; the pre-plan path of one ``encode_into``
-   per layer), the difference as % of the forward; the encode kernels alone (one launch).
-3. Decode: the same request loaded by a decode worker (its ``KVLoader`` with READs that land at
-   once, the bytes already in the receive buffer) from ``start_load_kv`` to finished, per
-   request, vs the one-launch decode (verify + decode of every chunk) of the same bytes.
+   and ``wait_for_save`` after the last, as vLLM calls them. Paired rounds (``paired_rounds``:
+   forward, v1, forward, v2, ..., forward; a variant's sample is its time minus the mean of the
+   forwards beside it; an A/A difference of forwards gives the noise) for the per-layer
+   launches, one batched launch, per-layer on a high-priority side stream, per-layer + a host
+   sync, and the pre-plan path of one ``encode_into`` per layer; SM clock and power through NVML
+   meanwhile; the encode kernels alone (one launch); a CUDA-graph capture of one layer's encode
+   launch vs the eager launch (``graph_probe``); with ``--trace`` a torch.profiler kernel
+   timeline of one step per variant (encode time, the part of it beside forward kernels).
+3. Decode: the same request loaded by a decode worker (its ``KVLoader``; the bytes already in
+   the receive buffer, the READs held until all of them land at one instant) from the landing
+   to ``get_finished`` reporting it, per request, vs the one-launch decode (verify + decode of
+   every chunk) of the same bytes; also with the decode's CUDA graph off, and with READs that
+   are done when posted (``start_load_kv`` to finished, the plan build included). Every load's
+   result is compared with the one-launch decode, a few chunks with the reference codec.
 
 At 4k and 32k tokens, presets tq4 and k4v3, with the connector's launch shape for 16-token
 chunks (``gpu_path.default_kernel_config``; ``--sweep`` times the shapes of CONFIGS first and
@@ -259,11 +266,13 @@ def make_worker(preset: str, role: str, engine_id: str, num_blocks: int, pool_by
 
 
 class FakeTransfer:
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, transport: FakeTransport) -> None:
         self.nbytes = nbytes
+        self.transport = transport
 
     def state(self) -> TransferState:
-        return TransferState.DONE  # the bytes are in the receive buffer already
+        # the bytes are in the receive buffer already: the READ has "landed" unless held
+        return TransferState.PENDING if self.transport.hold else TransferState.DONE
 
     def release(self) -> None:
         pass
@@ -272,6 +281,7 @@ class FakeTransfer:
 class FakeTransport:
     name = "fake"
     agent_name = "bench-agent"
+    hold = False  # READs stay PENDING while set (the bench lands them all at one instant)
 
     def register(self, tensor: Any) -> None:
         pass
@@ -283,7 +293,7 @@ class FakeTransport:
         return "prefill-agent"
 
     def read(self, peer: str, local: Any, remote: Any, mem_type: str, notif: bytes = b""):
-        return FakeTransfer(int(local[:, 1].sum()))
+        return FakeTransfer(int(local[:, 1].sum()), self)
 
     def close(self) -> None:
         pass
@@ -651,9 +661,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "w2-t16": dict(num_warps=2, tile_rows=16),
     "w1-t16": dict(num_warps=1, tile_rows=16),
+    "w2-t16-q2": dict(num_warps=2, tile_rows=16, qmode=2),  # bucketed-table quantizer
+    "w2-t16-q0": dict(num_warps=2, tile_rows=16, qmode=0),  # binary search
+    "w2-t16-l8": dict(num_warps=2, tile_rows=16, lanes=8),  # 16 coordinates per thread
+    "w2-t16-nocap": dict(num_warps=2, tile_rows=16, encode_max_registers=None),
 }
 BEST: dict[str, tuple[str, str]] = {}  # preset -> (encode config, decode config), from 4k
 SWEEP = False  # --sweep: time the launch shapes above (they compile; a minute per preset)
+TRACE = False  # --trace: a torch.profiler timeline of one step per save variant, summarised
+PROFILE_LOAD = False  # --profile-load: cProfile of one load's landed -> finished
 
 
 def gpu_path_default(block_size: int):
@@ -706,6 +722,12 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         real_save(name, cache, meta)
         host_us.append((time.perf_counter() - t0) * 1e6)
 
+    side = p.gpu.side
+    # the side stream runs at priority 0, the lowest CUDA has (the forward's stream is at 0
+    # too): a lower-priority encode stream does not exist; the high-priority one is the contrast
+    hi_side = (torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+               if DEVICE == "cuda" else None)
+
     def step(variant: str):
         # a new metadata object each step, as vLLM's scheduler sends (made outside the timing)
         meta = save_meta(rid, p_ids, tokens)
@@ -715,6 +737,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
                 fwd.run(None, None)
                 return
             p.gpu.mode = "batched" if variant == "batched" else "layer"
+            p.gpu.side = hi_side if variant == "layer-hiprio" else side
             if variant == "legacy":  # the pre-plan path: encode_into once per layer
                 gpu, p.gpu = p.gpu, None
                 try:
@@ -752,24 +775,29 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     # ---- launch shapes: encode (all layers, one launch) and decode (one launch) per shape
     sweep: dict[str, dict[str, Any]] = {}
     for cname, kw in (CONFIGS.items() if SWEEP and preset not in BEST else ()):
-        cfg = KernelConfig(**kw) if kw else None
-        p.gpu.kernel_config = cfg
-        st = p.gpu._build_step(save_meta(rid, p_ids, tokens))
-        p.staging.fill_(0xA5)
-        for pl, _ in st.plans:
-            pl.launch()
-        dq = dplan_for(cfg)
-        for n in names:
-            d_caches[n].zero_()
-        dq.launch()
-        dq.check()
-        sync()
-        sweep[cname] = {
-            "encode_ms": bench_ms(lambda: [pl.launch() for pl, _ in st.plans]),
-            "decode_ms": bench_ms(dq.launch),
-            "staging_equal": bool(torch.equal(p.staging, ref_staging)),
-            "decode_equal": all(torch.equal(d_caches[n], ref_dst[n]) for n in names),
-        }
+        try:
+            cfg = KernelConfig(**kw) if kw else None
+            p.gpu.kernel_config = cfg
+            st = p.gpu._build_step(save_meta(rid, p_ids, tokens))
+            p.staging.fill_(0xA5)
+            for pl, _ in st.plans:
+                pl.launch()
+            dq = dplan_for(cfg)
+            for n in names:
+                d_caches[n].zero_()
+            dq.launch()
+            dq.check()
+            sync()
+            staging_equal = bool(torch.equal(p.staging, ref_staging))
+            decode_equal = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+            sweep[cname] = {
+                "encode_ms": bench_ms(lambda: [pl.launch() for pl, _ in st.plans]),
+                "decode_ms": bench_ms(dq.launch),
+                "staging_equal": staging_equal, "decode_equal": decode_equal,
+            }
+        except Exception as exc:  # noqa: BLE001 - a shape that does not build is skipped
+            sweep[cname] = {"error": repr(exc)[:300], "staging_equal": False,
+                            "decode_equal": False}
         log(f"  launch shape {cname}: {sweep[cname]}")
     if sweep:
         ok = {k: v for k, v in sweep.items() if v["staging_equal"] and v["decode_equal"]}
@@ -789,32 +817,43 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["encode_config"], r["decode_config"] = enc_name, dec_name
     dec_cfg = d.gpu.kernel_config
 
-    # ---- 2. prefill: forward alone vs forward + save path, interleaved
-    variants = ["forward", "layer", "batched", "layer+sync"]
-    for v in variants + ["legacy"]:  # warm-up: kernels compiled, allocator and plans warm
+    # ---- 2. prefill: forward alone vs forward + save path, paired rounds
+    variants = ["layer", "batched", "layer-hiprio", "layer+sync"]
+    for v in ["forward"] + variants + ["legacy"]:  # warm-up: compiled, allocator and plans warm
         step(v)()
     sync()
     p.save_kv_layer = timed_save
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(iters):  # interleaved, so drift hits every variant alike
-        for v in variants:
-            times[v] += time_step(step(v), 1)
+    clocks = ClockSampler()
+    clocks.start()
+    sv = paired_rounds(step, variants, iters)
+    clocks.stop()
     p.save_kv_layer = real_save
-    times["legacy"] = time_step(step("legacy"), max(2, iters // 6))
-    med = {v: statistics.median(x) for v, x in times.items()}
-    fw = med["forward"]
+    lg = paired_rounds(step, ["legacy"], max(2, iters // 10))
+    if TRACE and DEVICE == "cuda":
+        r["trace"] = trace_steps(step, ["forward", "layer", "batched", "layer-hiprio"],
+                                 f"{tokens}_{preset}", log)
+    fw = statistics.median(sv["forward"])
     r["forward_ms"] = fw
-    for v in ("layer", "batched", "layer+sync", "legacy"):
-        r[f"{v}_ms"] = med[v]
-        r[f"{v}_pct"] = 100 * (med[v] - fw) / fw
-    r["spread_forward_ms"] = [min(times["forward"]), max(times["forward"])]
-    r["spread_layer_ms"] = [min(times["layer"]), max(times["layer"])]
-    r["iters"] = iters
+    r["spread_forward_ms"] = [min(sv["forward"]), max(sv["forward"])]
+    for v, diffs in [*((v, sv["diff"][v]) for v in variants), ("legacy", lg["diff"]["legacy"])]:
+        add = statistics.median(diffs)
+        lo, hi = bootstrap_median(diffs)
+        r[f"{v}_ms"] = fw + add
+        r[f"{v}_pct"] = 100 * add / fw
+        r[f"{v}_pct_ci95"] = [100 * lo / fw, 100 * hi / fw]
+    aa = sv["aa"]
+    r["aa_pct"] = 100 * statistics.median(aa) / fw
+    r["aa_pct_ci95"] = [100 * x / fw for x in bootstrap_median(aa)]
+    r["aa_pct_iqr"] = [100 * float(np.percentile(aa, q)) / fw for q in (25, 75)]
+    r["rounds"] = iters
+    r["clocks"] = clocks.summary()
     r["host_us_per_save_kv_layer"] = statistics.median(host_us) if host_us else None
     r["host_us_mean_save_kv_layer"] = statistics.mean(host_us) if host_us else None
     r["host_us_max_save_kv_layer"] = max(host_us) if host_us else None
     r["host_us_first_save_kv_layer"] = (statistics.median(host_us[::layers])
                                         if host_us else None)
+    r["stream_priority_range"] = (list(torch.cuda.Stream.priority_range())
+                                  if DEVICE == "cuda" else None)
     # the encode kernels alone: the step plan's one launch per policy, all layers
     builds = []
     for _ in range(3):
@@ -826,42 +865,129 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["encode_one_launch_ms"] = bench_ms(lambda: [pl.launch() for pl, _ in plan_step.plans])
     r["encode_per_layer_launches_ms"] = bench_ms(
         lambda: [pl.launch_layer(i) for pl, fam in plan_step.plans for i in range(len(fam))])
+    r["encode_pct_of_forward"] = 100 * r["encode_one_launch_ms"] / fw
     r["wire_MB"] = plan_step.wire_bytes / 1e6
     r["dense_MB"] = tokens * p.caches.dense_bytes_per_token() / 1e6
-    # staging bytes equal across the per-layer, batched and legacy paths (every chunk)
+    r["graph"] = graph_probe(plan_step, log)
+    # staging bytes equal across the per-layer, batched, high-priority and legacy paths
     stg = []
-    for v in ("layer", "batched", "legacy"):
+    for v in ("layer", "batched", "layer-hiprio", "legacy"):
         p.staging.fill_(0xA5)
         step(v)()
         sync()
         stg.append(bool(torch.equal(ref_staging, p.staging)))
-    r["staging_equal_layer_batched_legacy"] = stg
+    r["staging_equal_layer_batched_hiprio_legacy"] = stg
+    r["reference_spot_check"] = spot_check(p, d, save, offsets, names, src, d_caches, p_ids,
+                                           d_ids, ref_staging, ref_dst)
     del ref_staging
 
     # ---- 3. the decode side: the same request through the decode worker's loader
     fill_recv(d, p, save)
+    transport = d.transport
+    flushes: list[tuple[float, float]] = []
+    real_flush = d.gpu._flush
 
-    def load_once(i: int) -> tuple[float, float]:
+    def timed_flush(entry):
+        t0 = time.perf_counter()
+        try:
+            real_flush(entry)
+        finally:
+            flushes.append((t0, time.perf_counter()))
+
+    d.gpu._flush = timed_flush
+
+    def load_once(i: int, hold: bool) -> dict[str, float]:
+        """hold: the READs are posted and stay on the "wire" until every one lands at once;
+        else they are done when posted (start_load_kv does everything)."""
         lm = load_meta(f"d{i}", rid, save, d_ids, preset)
         sync()
+        flushes.clear()
+        transport.hold = hold
         t0 = time.perf_counter()
         d.start_load_kv(lm)
+        t1 = time.perf_counter()
+        transport.hold = False
+        t2 = time.perf_counter()
         fin, failed = set(), set()
         while f"d{i}" not in fin:
             f, x = d.get_transfer_results()
             fin |= f
             failed |= x
-        wall = (time.perf_counter() - t0) * 1e3
+        t3 = time.perf_counter()
         if failed:
             raise RuntimeError(f"load failed: {d.take_reports().reports}")
         rep = d.take_reports().reports[f"d{i}"]
-        return wall, rep.decode_seconds * 1e3
+        out = {"post": (t1 - t0) * 1e3, "landed": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3,
+               "decode": rep.decode_seconds * 1e3, "launches": len(flushes)}
+        if flushes:
+            base = t2 if hold else t0
+            out["to_first_launch"] = (flushes[0][0] - base) * 1e3
+            out["launch_host"] = sum(b - a for a, b in flushes) * 1e3
+            out["after_last_launch"] = (t3 - flushes[-1][1]) * 1e3
+        return out
 
     for i in range(3):
-        load_once(-1 - i)  # handshake, compile, warm
-    loads = [load_once(i) for i in range(max(5, iters))]
-    r["load_ms"] = statistics.median(x[0] for x in loads)
-    r["load_decode_groups_ms"] = statistics.median(x[1] for x in loads)
+        load_once(-1 - i, True)  # handshake, compile, warm
+        load_once(-10 - i, False)
+    n_loads = 2 if SMOKE else max(8, min(iters, 20))
+    loaded = torch.tensor(d_ids, device=DEVICE)
+    replays0 = d.gpu.graph_replays
+    last = save.blocks[-1]
+    last_id, last_nt = d_ids[last.index], last.num_tokens
+
+    def poison(caches, ref) -> None:  # the rows a load writes; a partial block's tail is kept
+        for n in names:
+            caches[n][:, loaded] = 7.0
+            caches[n][:, last_id, last_nt:] = ref[n][:, last_id, last_nt:]
+
+    poison(d_caches, ref_dst)
+    held = [load_once(i, True) for i in range(n_loads)]
+    r["load_graph_replays"] = d.gpu.graph_replays - replays0
+    r["decode_equal_graph_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+    now = [load_once(100 + i, False) for i in range(n_loads)]
+    d.gpu.decode_graphs = False  # the same without the captured launch: Triton launches
+    poison(d_caches, ref_dst)
+    direct = [load_once(200 + i, True) for i in range(n_loads)]
+    r["decode_equal_direct_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+    d.gpu.decode_graphs = True
+    if PROFILE_LOAD:  # where the host time of one landed -> finished goes
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        lm = load_meta("prof", rid, save, d_ids, preset)
+        sync()
+        transport.hold = True
+        d.start_load_kv(lm)
+        transport.hold = False
+        prof.enable()
+        fin: set[str] = set()
+        while "prof" not in fin:
+            fin |= d.get_transfer_results()[0]
+        prof.disable()
+        d.take_reports()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+        log("  cProfile of one landed -> finished (graphs on):\n" + buf.getvalue()[-3500:])
+    d.gpu._flush = real_flush
+
+    def med(rows, key):
+        vals = [x[key] for x in rows if key in x]
+        return statistics.median(vals) if vals else None
+
+    r["load_ms"] = med(held, "landed")  # bytes landed -> finished: the path's own cost
+    r["load_post_ms"] = med(held, "post")  # start_load_kv: READs posted, decode plan built
+    r["load_to_first_launch_ms"] = med(held, "to_first_launch")
+    r["load_launch_host_ms"] = med(held, "launch_host")
+    r["load_after_last_launch_ms"] = med(held, "after_last_launch")
+    r["load_launches"] = med(held, "launches")
+    r["load_decode_groups_ms"] = med(held, "decode")
+    r["load_all_at_once_ms"] = med(now, "total")  # READs done when posted: plan build included
+    r["load_all_at_once_launches"] = med(now, "launches")
+    r["load_no_graph_ms"] = med(direct, "landed")
+    r["load_no_graph_launch_host_ms"] = med(direct, "launch_host")
+    r["load_spread_ms"] = [min(x["landed"] for x in held), max(x["landed"] for x in held)]
     r["decode_equal_reference_shape"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
     builds = []
     for _ in range(3):
@@ -876,21 +1002,36 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     dplan.launch()
     dplan.check()
     r["decode_one_launch_ms"] = bench_ms(dplan.launch)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        dplan.launch()
+    r["host_us_decode_launch_pair"] = (time.perf_counter() - t0) / 20 * 1e6
+    sync()
     r["load_vs_one_launch"] = r["load_ms"] / r["decode_one_launch_ms"]
-    r["load_decode_vs_one_launch"] = r["load_decode_groups_ms"] / r["decode_one_launch_ms"]
+    r["load_all_at_once_vs_one_launch"] = r["load_all_at_once_ms"] / r["decode_one_launch_ms"]
     # decoded KV vs the prefill's source under the codec (the error of the preset)
     full = max(1, min(4, tokens // BLOCK))  # whole blocks only
     k_src = src[names[1]][0][torch.tensor(p_ids[:full])].float()
     k_dst = d_caches[names[1]][0][torch.tensor(d_ids[:full])].float()
     r["decoded_rel_err_layer1_k"] = float((k_src - k_dst).norm() / k_src.norm())
+    ci = r["layer_pct_ci95"]
     log(f"  {tokens:6d} tok {preset:5s}: forward {fw:.2f} ms | layer {r['layer_pct']:+.2f}% "
-        f"batched {r['batched_pct']:+.2f}% layer+sync {r['layer+sync_pct']:+.2f}% legacy "
-        f"{r['legacy_pct']:+.2f}% | encode 1-launch {r['encode_one_launch_ms']:.3f} ms "
-        f"({enc_name}) | load {r['load_ms']:.3f} ms (decode groups "
-        f"{r['load_decode_groups_ms']:.3f}) vs 1-launch {r['decode_one_launch_ms']:.3f} ms "
-        f"({dec_name}) = {r['load_vs_one_launch']:.2f}x | host "
+        f"[{ci[0]:+.2f}, {ci[1]:+.2f}] batched {r['batched_pct']:+.2f}% hiprio "
+        f"{r['layer-hiprio_pct']:+.2f}% layer+sync {r['layer+sync_pct']:+.2f}% legacy "
+        f"{r['legacy_pct']:+.2f}% | A/A {r['aa_pct']:+.2f}% | encode 1-launch "
+        f"{r['encode_one_launch_ms']:.3f} ms ({r['encode_pct_of_forward']:.2f}%, {enc_name}) | "
+        f"load landed->finished {r['load_ms']:.3f} ms (post {r['load_post_ms']:.3f}, to launch "
+        f"{r['load_to_first_launch_ms']:.3f}, launch {r['load_launch_host_ms']:.3f}, after "
+        f"{r['load_after_last_launch_ms']:.3f}, {r['load_launches']} launches) vs 1-launch "
+        f"{r['decode_one_launch_ms']:.3f} ms ({dec_name}) = {r['load_vs_one_launch']:.2f}x; "
+        f"all at once {r['load_all_at_once_ms']:.3f} ms; without graph {r['load_no_graph_ms']:.3f}"
+        f" ms (launch {r['load_no_graph_launch_host_ms']:.3f}), {r['load_graph_replays']} "
+        f"replays | host "
         f"{r['host_us_per_save_kv_layer']:.0f} us/layer, step plan "
-        f"{r['host_ms_step_plan_build']:.2f} ms, load plan {r['host_ms_load_plan_build']:.2f} ms")
+        f"{r['host_ms_step_plan_build']:.2f} ms, load plan {r['host_ms_load_plan_build']:.2f} ms"
+        f", decode launch pair {r['host_us_decode_launch_pair']:.0f} us | clocks {r['clocks']}"
+        f" | spot check {r['reference_spot_check']}")
     for w in (p, d):
         w.shutdown()
     fwd.w.clear()
@@ -900,23 +1041,245 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     return r
 
 
+OUT_DIR: Path | None = None
+
+
+def trace_steps(step, variants: list[str], tag: str, log) -> dict[str, Any]:
+    """One step of each variant under torch.profiler: per stream, kernel time; matmul kernel
+    time (the forward's work: does the encode slow it?); encode kernel time and the part of it
+    that ran while a forward kernel ran; the step's span. The first variant's chrome trace is
+    kept (gzip) under --out."""
+    import gzip
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, Any] = {}
+    for v in variants:
+        fn = step(v)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            path = f.name
+        prof.export_chrome_trace(path)
+        data = json.load(open(path))
+        os.unlink(path)
+        ks = [e for e in data.get("traceEvents", []) if e.get("cat") == "kernel"]
+        if not ks:
+            out[v] = {"kernels": 0}
+            continue
+        streams: dict[Any, float] = {}
+        for e in ks:
+            streams[e["args"].get("stream")] = streams.get(e["args"].get("stream"), 0) + e["dur"]
+        main = max(streams, key=lambda k: streams[k])
+        fwd_iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in ks
+                        if e["args"].get("stream") == main)
+        enc = [e for e in ks if "encode_kernel" in e["name"]]
+
+        def overlap(a: float, b: float) -> float:
+            tot = 0.0
+            for s0, s1 in fwd_iv:
+                if s1 <= a:
+                    continue
+                if s0 >= b:
+                    break
+                tot += min(b, s1) - max(a, s0)
+            return tot
+
+        out[v] = {
+            "span_ms": (max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks)) / 1e3,
+            "stream_kernel_ms": {str(k): round(t / 1e3, 3) for k, t in streams.items()},
+            "matmul_ms": sum(e["dur"] for e in ks if e["args"].get("stream") == main
+                             and "encode" not in e["name"] and "index" not in e["name"]
+                             and ("gemm" in e["name"].lower() or "nvjet" in e["name"]
+                                  or "sm90" in e["name"] or "cutlass" in e["name"])) / 1e3,
+            "encode_ms": sum(e["dur"] for e in enc) / 1e3,
+            "encode_overlapping_forward_ms": sum(overlap(e["ts"], e["ts"] + e["dur"])
+                                                 for e in enc) / 1e3,
+            "encode_launches": len(enc),
+            "kernel_names": sorted({e["name"][:60] for e in ks})[:12],
+        }
+        if OUT_DIR is not None and v == "layer":
+            with gzip.open(OUT_DIR / f"trace_{tag}_{v}.json.gz", "wt") as g:
+                json.dump({"traceEvents": ks}, g)
+    log(f"  trace {tag}: {json.dumps(out)}")
+    return out
+
+
+def paired_rounds(step, variants: list[str], rounds: int) -> dict[str, Any]:
+    """Each round runs forward, v1, forward, v2, ..., forward (the variants' order rotated from
+    round to round): a variant's sample is its time minus the mean of the two forwards beside
+    it, so drift (clocks, temperature) cancels; "aa" holds the same difference for the inner
+    forwards (the A/A test: what noise alone gives)."""
+    diff: dict[str, list[float]] = {v: [] for v in variants}
+    aa: list[float] = []
+    fwd: list[float] = []
+    for k in range(rounds):
+        order = variants[k % len(variants):] + variants[:k % len(variants)]
+        seq = ["forward"]
+        for v in order:
+            seq += [v, "forward"]
+        fns = [step(v) for v in seq]  # metadata made outside the timing
+        t = [time_step(fn, 1)[0] for fn in fns]
+        f = t[0::2]
+        fwd += f
+        for j, v in enumerate(order):
+            diff[v].append(t[2 * j + 1] - (f[j] + f[j + 1]) / 2)
+        for j in range(1, len(f) - 1):
+            aa.append(f[j] - (f[j - 1] + f[j + 1]) / 2)
+    return {"diff": diff, "aa": aa or [0.0], "forward": fwd}
+
+
+def bootstrap_median(x: list[float], n: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of the median."""
+    a = np.asarray(x, dtype=np.float64)
+    if a.size < 2:
+        return float(a.mean()), float(a.mean())
+    rng = np.random.default_rng(0)
+    meds = np.median(a[rng.integers(0, a.size, (n, a.size))], axis=1)
+    return float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
+
+
+class ClockSampler:
+    """SM clock and board power through NVML (nvidia-ml-py) every 50 ms, in a thread."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - no NVML: no clocks in the report
+            self._nvml = None
+
+    def start(self) -> None:
+        import threading
+
+        if self._nvml is None or DEVICE != "cuda":
+            return
+        self._stop = threading.Event()
+
+        def run() -> None:
+            nv = self._nvml
+            while not self._stop.wait(0.05):
+                try:
+                    self.samples.append((nv.nvmlDeviceGetClockInfo(self._h, nv.NVML_CLOCK_SM),
+                                         nv.nvmlDeviceGetPowerUsage(self._h) / 1e3))
+                except Exception:  # noqa: BLE001
+                    return
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.samples:
+            return None
+        mhz = np.array([x[0] for x in self.samples])
+        watts = np.array([x[1] for x in self.samples])
+        return {"sm_mhz_p10_p50_p90": [int(np.percentile(mhz, q)) for q in (10, 50, 90)],
+                "watts_p50_max": [round(float(np.median(watts))), round(float(watts.max()))]}
+
+
+def graph_probe(plan_step, log) -> dict[str, Any]:
+    """Can one layer's encode launch live in a CUDA graph, and what would it save? Captures
+    ``launch_layer(0)`` of this step's plan and times replays against eager launches (host
+    time per launch, GPU time per launch). A graph bakes the plan's table pointers and grid in:
+    a later step (other blocks, slots, chunk count) would replay this step's encode."""
+    if DEVICE != "cuda":
+        return {}
+    plan = plan_step.plans[0][0]
+    out: dict[str, Any] = {}
+    try:
+        plan.launch_layer(0)
+        sync()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            plan.launch_layer(0)
+        sync()
+        n = 100
+        for name, fn in (("eager", lambda: plan.launch_layer(0)), ("graph", g.replay)):
+            fn()
+            sync()
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            host = (time.perf_counter() - t0) / n * 1e6
+            sync()
+            out[f"{name}_host_us"] = host
+            out[f"{name}_gpu_us"] = a.elapsed_time(b) / n * 1e3
+        out["captured"] = True
+    except Exception as exc:  # noqa: BLE001 - the answer is then "it cannot be captured"
+        out["captured"] = False
+        out["error"] = repr(exc)
+        log(f"  graph probe: {exc!r}")
+    return out
+
+
+def spot_check(p, d, save, offsets, names, src, d_caches, p_ids, d_ids, ref_staging,
+               ref_dst) -> dict[str, Any]:
+    """At full scale, a few chunks (first blocks, last block; first and last layer) against the
+    reference codec on this GPU: staged bytes equal to the reference encode, decoded values
+    (the decode worker's cache after its loads) equal to the reference decode of those bytes."""
+    layers = len(names)
+    pick = sorted({0, 1, 2, len(save.blocks) - 1})
+    blocks = [save.blocks[i] for i in pick]
+    enc_ok = dec_ok = True
+    for layer in (0, layers - 1):
+        items = [EncodeItem(save.block_ids, b.index * BLOCK, b.num_tokens,
+                            p.layout.chunk_offset(b.slot, layer), b.tag) for b in blocks]
+        ref = torch.zeros(p.staging.numel(), dtype=torch.uint8, device=p.staging.device)
+        written = encode_into(p.codec, layer, src[names[layer]], p.caches.layouts[layer], items,
+                              ref, impl="reference")
+        for it, n in zip(items, written):
+            a = ref_staging[it.out_offset:it.out_offset + n]
+            enc_ok &= bool(torch.equal(a, ref[it.out_offset:it.out_offset + n]))
+        del ref
+        dst = torch.full_like(d_caches[names[layer]], 7.0)
+        ditems = [DecodeItem(d_ids, b.index * BLOCK, b.num_tokens, offsets[(bi, layer)][0],
+                             offsets[(bi, layer)][1], b.tag) for bi, b in zip(pick, blocks)]
+        decode_into(d.codec, layer, dst, d.caches.layouts[layer], ditems, d.recv,
+                    impl="reference")
+        for b in blocks:  # the rows the chunk covers (vLLM's GPU layout [2, blocks, bs, ...])
+            bid, nt = d_ids[b.index], b.num_tokens
+            dec_ok &= bool(torch.equal(dst[:, bid, :nt], ref_dst[names[layer]][:, bid, :nt]))
+        del dst
+    return {"chunks": len(blocks) * 2, "encode_equal_reference": enc_ok,
+            "decode_equal_reference": dec_ok}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| tokens | preset | forward ms | + save, per-layer launches | + save, one batched "
-            "launch | per-layer + host sync | pre-plan path (encode_into per layer) "
-            "| encode kernels alone ms | load ms/request | decode groups ms "
-            "| one-launch decode ms | load / one-launch |")
+    head = ("| tokens | preset | forward ms | + save, per-layer launches (default) [95% CI] "
+            "| + save, one batched launch | per-layer, high-priority side stream "
+            "| per-layer + host sync | pre-plan path (encode_into per layer) | A/A noise "
+            "| encode kernels alone ms (% of forward) | load ms/request: landed -> finished "
+            "| one-launch decode ms | load / one-launch | load, READs done at once (incl. plan "
+            "build) ms | start_load_kv ms (READs posted, plan built) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
+        ci = r["layer_pct_ci95"]
         lines.append(
             f"| {r['tokens']} | {r['preset']} | {r['forward_ms']:.2f} "
-            f"| {r['layer_ms']:.2f} ({r['layer_pct']:+.2f}%) "
-            f"| {r['batched_ms']:.2f} ({r['batched_pct']:+.2f}%) "
-            f"| {r['layer+sync_ms']:.2f} ({r['layer+sync_pct']:+.2f}%) "
-            f"| {r['legacy_ms']:.2f} ({r['legacy_pct']:+.2f}%) "
-            f"| {r['encode_one_launch_ms']:.3f} ({r['encode_config']}) | {r['load_ms']:.3f} "
-            f"| {r['load_decode_groups_ms']:.3f} | {r['decode_one_launch_ms']:.3f} "
-            f"({r['decode_config']}) "
-            f"| {r['load_vs_one_launch']:.2f}x |")
+            f"| {r['layer_pct']:+.2f}% [{ci[0]:+.2f}, {ci[1]:+.2f}] "
+            f"| {r['batched_pct']:+.2f}% | {r['layer-hiprio_pct']:+.2f}% "
+            f"| {r['layer+sync_pct']:+.2f}% | {r['legacy_pct']:+.2f}% | {r['aa_pct']:+.2f}% "
+            f"| {r['encode_one_launch_ms']:.3f} ({r['encode_pct_of_forward']:.2f}%) "
+            f"| {r['load_ms']:.3f} | {r['decode_one_launch_ms']:.3f} "
+            f"| {r['load_vs_one_launch']:.2f}x | {r['load_all_at_once_ms']:.3f} "
+            f"({r['load_all_at_once_vs_one_launch']:.2f}x) | {r['load_post_ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -931,11 +1294,18 @@ def main() -> int:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--sweep", action="store_true",
                     help="time the launch shapes of CONFIGS at 4k and use the fastest")
+    ap.add_argument("--trace", action="store_true",
+                    help="profile one step per save variant (torch.profiler) and summarise")
+    ap.add_argument("--profile-load", action="store_true",
+                    help="cProfile one load's landed -> finished")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after which no further case starts (0: none)")
     args = ap.parse_args()
-    global SWEEP
+    global SWEEP, TRACE, PROFILE_LOAD, OUT_DIR
     SWEEP = args.sweep
+    TRACE = args.trace
+    PROFILE_LOAD = args.profile_load
+    OUT_DIR = args.out
     args.out.mkdir(parents=True, exist_ok=True)
     logf = open(args.out / "log.txt", "a")
 
@@ -984,7 +1354,7 @@ def main() -> int:
     log(f"checks done in {time.time() - t0:.0f}s")
     for tokens in [int(x) for x in args.tokens.split(",") if x]:
         for preset in presets:
-            iters = args.iters or (30 if tokens <= 8192 else 6)
+            iters = args.iters or (2 if SMOKE else 30 if tokens <= 8192 else 6)
             if args.deadline and time.time() - t0 > args.deadline:
                 log(f"{tokens} {preset}: skipped, past the --deadline")
                 continue
@@ -993,14 +1363,26 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 log(f"{tokens} {preset} failed: {exc}\n{traceback.format_exc()}")
             save()
-    ok = all(c.get("ok") for c in report["checks"] + report["kernel_checks"])
+    def case_ok(r: dict[str, Any]) -> bool:
+        spot = r.get("reference_spot_check", {})
+        return bool(all(r.get("staging_equal_layer_batched_hiprio_legacy", [False]))
+                    and r.get("decode_equal_reference_shape")
+                    and r.get("decode_equal_graph_loads") and r.get("decode_equal_direct_loads")
+                    and spot.get("encode_equal_reference") and spot.get("decode_equal_reference"))
+
+    cases = report["results"]
+    ok = (all(c.get("ok") for c in report["checks"] + report["kernel_checks"])
+          and all(case_ok(r) for r in cases) and bool(cases))
     md = ["## GPU connector path (issue 18)", "", f"`{env['command']}` on {env['gpu']}, torch "
           f"{env['torch']}, triton {env['triton']}, CUDA {env['cuda']}", "",
           f"bit-exact on this GPU: {'yes' if ok else 'NO'} (kernel checks "
           f"{sum(bool(c.get('ok')) for c in report['kernel_checks'])}/"
           f"{len(report['kernel_checks'])}, connector checks "
-          f"{sum(bool(c.get('ok')) for c in report['checks'])}/{len(report['checks'])})", "",
-          table(report["results"])]
+          f"{sum(bool(c.get('ok')) for c in report['checks'])}/{len(report['checks'])}, "
+          f"full-scale cases {sum(case_ok(r) for r in cases)}/{len(cases)}: staging bytes equal "
+          "across per-layer, batched, high-priority and pre-plan paths, loads equal to the "
+          "one-launch decode, spot chunks equal to the reference codec)", "",
+          table(cases)]
     (args.out / "results.md").write_text("\n".join(md) + "\n")
     save()
     log("\n".join(md))

@@ -5,7 +5,10 @@ loop never blocks on the network), READs exactly the chunk bytes of the needed (
 pairs into the receive buffer, one READ per group of layers (``decode_pipeline_groups``, two in
 flight), claims the prefill lease while they move, and decodes each group as soon as it has
 landed (nothing is decoded before the claim confirms the lease) while the later groups are still
-on the wire; then it tells the prefill engine to release the lease. Any failure lands in the
+on the wire, every landed group in one pass; a decode may come back as a handle still running on
+the GPU (``PendingDecode``): the load finishes once all of them ran and none refused a chunk (one
+wait per load, when its last group is handed over); then it tells the prefill engine to release
+the lease. Any failure lands in the
 failed set with its metric reason; a READ that may still be writing when its load fails keeps
 its receive range quarantined.
 
@@ -21,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -76,6 +79,7 @@ class LoadJob:
     group_descs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     peer_agent: str = ""
     decoded: list[bool] = field(default_factory=list)
+    pending: list[PendingDecode] = field(default_factory=list)  # decodes not settled yet
     transferred_at: float | None = None  # when the last READ was seen done
     decode_seconds: float = 0.0
     wait_seconds: float = 0.0  # queued -> READs posted (handshake, receive buffer)
@@ -139,10 +143,33 @@ class ChunkOffsets(Mapping[tuple[int, int], tuple[int, int]]):
         return int(self.sizes.size)
 
 
-DecodeGroup = Callable[[LoadRequest, range, int, Mapping[tuple[int, int], tuple[int, int]]], None]
+class PendingDecode(Protocol):
+    """A layer group's decode that may still be running on the GPU (connector/gpu_path.py)."""
+
+    def done(self) -> bool:
+        """Whether it ran (its verdict is known); never waits."""
+        ...
+
+    def result(self) -> None:
+        """Wait for it; raise the decode's refusal (nothing of the refused chunks' layers was
+        written into the cache then)."""
+        ...
+
+    def abandon(self) -> None:
+        """The load failed: run nothing more of it, wait for what reads the receive range."""
+        ...
+
+
+DecodeGroup = Callable[[LoadRequest, range, int, Mapping[tuple[int, int], tuple[int, int]]],
+                       "PendingDecode | None"]
 """decode(load, layers, recv_offset, chunk_offsets): verify and decode the chunks of ``layers``
 (landed at ``recv_offset + chunk_offsets[(block, layer)]``; a ``ChunkOffsets``) into the paged
-cache, synchronously."""
+cache. Returns None when that is done (a refusal raises), or a ``PendingDecode``: the load is
+finished only once every group's decode has run and none was refused."""
+
+PrepareDecode = Callable[[LoadRequest, int, Mapping[tuple[int, int], tuple[int, int]]], None]
+"""prepare(load, recv_offset, chunk_offsets): called once a load's first READs are posted, so
+the decode's plan is built while the bytes move; raising fails the load."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +202,7 @@ class KVLoader:
         decode: DecodeGroup,
         executor: Executor,
         stats: TurboWireConnectorStats,
+        prepare: PrepareDecode | None = None,
     ) -> None:
         self.config = config
         self.geometry = geometry
@@ -192,6 +220,7 @@ class KVLoader:
         self._clients = clients
         self._recv_ranges = recv_ranges
         self._decode = decode
+        self.prepare = prepare
         self._executor = executor
         self.stats = stats
         self._peers: dict[tuple[str, str, int], PeerState] = {}
@@ -268,10 +297,13 @@ class KVLoader:
                 return False
         if not self._claimed(job):
             return False  # nothing is decoded before the lease is confirmed
-        # decode the groups that have landed, in order; the next READ goes out before a group is
-        # decoded, so the link stays busy while the CPU/GPU decodes
-        for g in range(len(job.xfers)):
+        # decode every group that has landed, in order (the READs posted meanwhile included);
+        # the next READ goes out before a group is decoded, so the link stays busy while the
+        # CPU/GPU decodes
+        g = 0
+        while g < len(job.xfers):
             if job.decoded[g]:
+                g += 1
                 continue
             state = job.xfers[g].state()
             if state is TransferState.PENDING:
@@ -282,7 +314,15 @@ class KVLoader:
             job.decoded[g] = True  # even if decoding raises: the handle is released
             self._post_more(job)
             job.decode_seconds += self._decode_group(job, job.groups[g])
-        if len(job.xfers) < len(job.groups) or not all(job.decoded):
+            g += 1
+        done = len(job.xfers) == len(job.groups) and all(job.decoded)
+        # GPU decodes: settle those that ran (a refusal fails the load now); once every group
+        # is decoded, wait for the rest: the one host synchronisation of the load
+        t0 = time.perf_counter()
+        while job.pending and (done or job.pending[0].done()):
+            job.pending.pop(0).result()
+        job.decode_seconds += time.perf_counter() - t0
+        if not done:
             return False
         if job.transferred_at is None:
             job.transferred_at = time.perf_counter()
@@ -445,6 +485,8 @@ class KVLoader:
         job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
         job.wait_seconds = time.monotonic() - job.created
         self._post_more(job)
+        if self.prepare is not None:  # e.g. the GPU decode plan, built while the bytes move
+            self.prepare(load, start, offsets)
         return True
 
     def _post_more(self, job: LoadJob) -> None:
@@ -465,10 +507,13 @@ class KVLoader:
 
 
     def _decode_group(self, job: LoadJob, layers: range) -> float:
-        """Verify and decode one landed layer group; its wall time."""
+        """Verify and decode one landed layer group (or hand it to the GPU: ``job.pending``);
+        the wall time of the call."""
         assert job.recv_offset is not None
         t0 = time.perf_counter()
-        self._decode(job.load, layers, job.recv_offset, job.chunk_offsets)
+        pending = self._decode(job.load, layers, job.recv_offset, job.chunk_offsets)
+        if pending is not None:
+            job.pending.append(pending)
         return time.perf_counter() - t0
 
     def _complete(self, job: LoadJob, transfer_seconds: float, decode_seconds: float) -> None:
@@ -506,6 +551,12 @@ class KVLoader:
             load.request_id, load.peer.engine_id, reason, message,
         )
         self.stats.record_failure(reason)
+        for pending in job.pending:  # GPU decodes still reading the receive range
+            try:
+                pending.abandon()
+            except Exception as exc:  # noqa: BLE001 - the load has failed already
+                logger.debug("abandoning a decode of %s: %s", load.request_id, exc)
+        job.pending.clear()
         in_flight = [
             x for g, x in enumerate(job.xfers)
             if not job.decoded[g] and x.state() is TransferState.PENDING

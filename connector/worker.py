@@ -139,6 +139,7 @@ class TurboWireWorker:
             self.loader = KVLoader(
                 self.config, self.geometry, self.layout, self.chunk_nbytes, local, transport,
                 self._clients, self.recv_ranges, self._decode_group, self._executor, self.stats,
+                prepare=self._prepare_decode,
             )
         if gpu_path.applies(self.codec, self.caches):
             self.gpu = self._gpu_paths()
@@ -312,14 +313,20 @@ class TurboWireWorker:
             return None
         return self.stats.clone_and_reset()
 
+    def _prepare_decode(self, load: LoadRequest, recv_offset: int,
+                        chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> None:
+        """The loader's hook once a load's READs are posted: the GPU path builds its plan."""
+        if self.gpu is not None:
+            self.gpu.prepare_load(load, recv_offset, chunk_offsets)
+
     def _decode_group(self, load: LoadRequest, layers: range, recv_offset: int,
-                      chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> None:
+                      chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]
+                      ) -> gpu_path.PendingGroup | None:
         """Verify and decode the chunks of ``layers`` (one landed READ) into the cache."""
         from turbowire.kernels import DecodeItem, decode_into
 
-        if self.gpu is not None:  # one plan per load, one synchronisation per group
-            self.gpu.decode_group(load, layers, recv_offset, chunk_offsets)
-            return
+        if self.gpu is not None:  # queued on the GPU; the loader settles it (one sync per load)
+            return self.gpu.decode_group(load, layers, recv_offset, chunk_offsets)
         assert self.recv is not None and self.caches is not None
         bs = self.geometry.block_size
         table = load.block_ids
@@ -343,6 +350,7 @@ class TurboWireWorker:
                         items, self.recv, kv_scales=self.caches.kv_scales(layer))
         if self.recv.device.type == "cuda":
             torch.cuda.current_stream(self.recv.device).synchronize()
+        return None
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

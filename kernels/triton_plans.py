@@ -18,7 +18,8 @@ synchronisation happens before ``DecodeLayersPlan.check``.
 * ``DecodeLayersPlan.launch(lo, hi)`` verifies the chunks of layers lo..hi-1 (one launch) and
   decodes them (one launch per policy; nothing is written if a chunk of the range fails);
   ``check(lo, hi)`` reads one flag back (the one synchronisation) and raises the reference's
-  exception for the first refused chunk.
+  exception for the first refused chunk; ``flag(lo)`` is that flag on the device, for a caller
+  that copies it to pinned memory and checks it once an event says the copy ran.
 
 Every launch is issued on the caller's current stream; the plan's tensors are allocated on the
 stream current at construction (use the plan on that stream, or order the streams).
@@ -606,13 +607,33 @@ class DecodeLayersPlan:
         for kernel, grid, args, kwargs in calls:
             kernel[grid](*args, **kwargs)
 
-    def check(self, lo: int = 0, hi: int | None = None) -> None:
-        """After ``launch(lo, hi)``: one flag read back (the one host synchronisation); raises
-        the reference's exception for the first chunk of the range that was refused."""
+    def kernel_keys(self, lo: int = 0, hi: int | None = None) -> set[Any]:
+        """What selects the compiled kernels a ``launch(lo, hi)`` uses (cache dtype, strides,
+        launch shape, the layer policies of the range): a caller that captures launches into a
+        CUDA graph captures only kernels it has launched (compiled) before."""
+        hi = len(self.layers) if hi is None else hi
+        if self.fails is None:
+            return set()
+        base = (self._base.dtype, self._strides, self._cfg, self.layout.block_size,
+                self.layout.num_heads)
+        return {("verify", self._cfg.verify_words)} | {
+            (*base, pol.key) for pol in self._policies
+            if any(lo <= i < hi for i in pol.positions)}
+
+    def flag(self, lo: int = 0) -> torch.Tensor | None:
+        """The device flag of the range launched from ``lo`` (one int32, nonzero once a chunk of
+        the range was refused): ``launch`` then a non-blocking copy of this to pinned memory
+        reads the verdict without a host synchronisation (connector/gpu_path.py)."""
+        return None if self.fails is None else self.fails[4 * lo:4 * lo + 1]
+
+    def check(self, lo: int = 0, hi: int | None = None, flag: int | None = None) -> None:
+        """After ``launch(lo, hi)``: the range's flag (``flag``: its value, already read back;
+        None: read it now, the one host synchronisation); raises the reference's exception for
+        the first chunk of the range that was refused."""
         if self.fails is None or self.status is None:
             return
         hi = len(self.layers) if hi is None else hi
-        if int(self.fails[4 * lo]) == 0:
+        if (int(self.fails[4 * lo]) if flag is None else int(flag)) == 0:
             return
         n = self.n
         st = self.status[lo * n:hi * n].cpu()

@@ -156,8 +156,14 @@ def test_a_refused_chunk_fails_its_range_only_and_raises_like_the_reference():
     dplan.launch(0, 2)
     dplan.check(0, 2)  # layers 0 and 1 are fine
     dplan.launch(2, 3)
+    assert int(dplan.flag(0)) == 0 and int(dplan.flag(2)) != 0  # the verdicts, per range
+    dplan.check(0, 2, flag=0)  # a verdict read back already: no readback, no exception
+    with pytest.raises(ChecksumError, match="body checksum"):
+        dplan.check(2, 3, flag=int(dplan.flag(2)))
     with pytest.raises(ChecksumError, match="body checksum"):
         dplan.check(2, 3)
+    # what selects the compiled kernels: the verify kernel and the range's layer policies
+    assert len(dplan.kernel_keys(0, 1)) == 2 and dplan.kernel_keys(0, 1) <= dplan.kernel_keys()
     assert bool((dst[2] == GUARD).all()), "a refused range wrote something"
     assert not bool((dst[0] == GUARD).all()) and not bool((dst[1] == GUARD).all())
     # a wrong expected tag: the reference's exception too

@@ -3,9 +3,11 @@ under Triton's interpreter (``force``: the same plans, launched inline without s
 
 Prefill: per-layer ``save_kv_layer`` calls (some layers left to ``wait_for_save``) and the
 batched mode must stage exactly the bytes of the per-layer path CPU engines use, and count the
-same dense/wire bytes. Decode: ``_decode_group`` per landed group must write exactly what the
-per-layer path writes, verify a group before writing any of it, and raise the reference's
-exception for a corrupt chunk.
+same dense/wire bytes. Decode: ``_decode_group`` per landed group hands back a handle; settled,
+it must have written exactly what the per-layer path writes, verified a group before writing any
+of it (groups queued together: all of them), and raise the reference's exception for a corrupt
+chunk; an abandoned handle launches nothing. The loader finishes a load only once every such
+handle ran, fails it on a refusal and abandons the rest.
 """
 
 from __future__ import annotations
@@ -164,8 +166,15 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     for worker in (ref, w):
         dst = gpu_caches(None)
         worker.caches.tensors[:] = [dst[n] for n in LAYERS]
+        if worker is w:  # the loader's hook when the READs are posted: the plan is built there
+            worker._prepare_decode(load, recv_offset, offsets)
+            assert len(w.gpu._loads) == 1
         for layers in (range(0, 2), range(2, 3)):
-            worker._decode_group(load, layers, recv_offset, offsets)
+            pending = worker._decode_group(load, layers, recv_offset, offsets)
+            assert (pending is None) == (worker is ref)  # the GPU path hands back a handle
+            if pending is not None:
+                assert pending.done()  # launched when asked (inline on the CPU)
+                pending.result()
         dsts.append(dst)
     for name in LAYERS:
         assert torch.equal(dsts[0][name], dsts[1][name]), name
@@ -177,12 +186,35 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     w.recv[at] ^= 0x11
     dst = gpu_caches(None)
     w.caches.tensors[:] = [dst[n] for n in LAYERS]
-    w._decode_group(load, range(0, 2), recv_offset, offsets)
+    w._decode_group(load, range(0, 2), recv_offset, offsets).result()
     with pytest.raises(ChecksumError):
-        w._decode_group(load, range(2, 3), recv_offset, offsets)
+        w._decode_group(load, range(2, 3), recv_offset, offsets).result()
     assert torch.equal(dst[LAYERS[2]], gpu_caches(None)[LAYERS[2]])
     assert torch.equal(dst[LAYERS[0]], dsts[0][LAYERS[0]])
     assert not w.gpu._loads
+
+    # ---- groups that landed together are launched together: one refused chunk, nothing of
+    # either group written, both handles raise
+    dst = gpu_caches(None)
+    w.caches.tensors[:] = [dst[n] for n in LAYERS]
+    first = w._decode_group(load, range(0, 2), recv_offset, offsets)
+    second = w._decode_group(load, range(2, 3), recv_offset, offsets)
+    assert first._launch is None and second._launch is None  # queued, nothing launched yet
+    assert first.done() and first._launch is second._launch  # one launch for both
+    for pending in (first, second):
+        with pytest.raises(ChecksumError):
+            pending.result()
+    for name in LAYERS:
+        assert torch.equal(dst[name], gpu_caches(None)[name]), name
+    # ... and an abandoned load launches nothing of what was queued
+    w.recv[at] ^= 0x11  # repaired
+    dst = gpu_caches(None)
+    w.caches.tensors[:] = [dst[n] for n in LAYERS]
+    pending = w._decode_group(load, range(0, 2), recv_offset, offsets)
+    pending.abandon()
+    assert not w.gpu._loads
+    for name in LAYERS:
+        assert torch.equal(dst[name], gpu_caches(None)[name]), name
 
 
 def test_applies_only_to_cuda_caches(monkeypatch):
@@ -192,3 +224,144 @@ def test_applies_only_to_cuda_caches(monkeypatch):
     with pytest.raises(ValueError, match="mode"):
         gpu_path.GpuPaths(w.codec, w.geometry, w.layout, w.caches, w.staging, w.recv,
                           w.chunk_nbytes, mode="graph")
+
+
+# ---- the loader with GPU decodes (handles that settle later): connector/loader.py
+class _Read:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.landed, self.released = nbytes, False, False
+
+    def state(self):
+        from turbowire.connector.transports.base import TransferState
+
+        return TransferState.DONE if self.landed else TransferState.PENDING
+
+    def release(self) -> None:
+        self.released = True
+
+
+class _Wire:
+    name, agent_name = "fake", "decode-agent"
+
+    def __init__(self) -> None:
+        self.reads: list[_Read] = []
+        self.auto_land = False  # READs posted from now on land at once
+
+    def add_peer(self, metadata: bytes) -> str:
+        return "prefill-agent"
+
+    def read(self, peer, local, remote, mem_type, notif=b""):
+        self.reads.append(_Read(int(local[:, 1].sum())))
+        self.reads[-1].landed = self.auto_land
+        return self.reads[-1]
+
+
+class _Pending:
+    """A GPU decode handle: runs when ``ran`` is set (or when waited for)."""
+
+    def __init__(self, log: list, layers: range, refuse: bool) -> None:
+        self.log, self.layers, self.refuse, self.ran = log, tuple(layers), refuse, False
+
+    def done(self) -> bool:
+        return self.ran
+
+    def result(self) -> None:
+        if not self.ran:
+            self.log.append(("wait", self.layers))
+        self.ran = True
+        if self.refuse:
+            raise ChecksumError("body checksum mismatch")
+
+    def abandon(self) -> None:
+        self.log.append(("abandon", self.layers))
+
+
+def _loader(refuse_layer: int | None = None):
+    from concurrent.futures import Future
+
+    from turbowire.codec import Codec
+    from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
+    from turbowire.connector.loader import KVLoader, LocalEnd
+    from turbowire.connector.sidechannel.client import PeerInfo
+    from turbowire.connector.sidechannel.convert import StagingInfo
+    from turbowire.connector.staging import ByteRanges
+    from turbowire.connector.stats import TurboWireConnectorStats
+
+    n_layers = 4
+    config = TurboWireConfig.from_extra_config(
+        {"preset": "raw", "decode_pipeline_groups": 4}, environ={})
+    geo = KVGeometry(tuple(LayerSpec(f"l.{i}", HEADS, DIM) for i in range(n_layers)), BS,
+                     "bfloat16")
+    codec = Codec("raw", DIM, n_layers)
+    layout = StagingLayout.build(geo, codec.encoded_nbytes, 1 << 20)
+    staging = StagingInfo("prefill-agent", b"md", 1 << 20, layout.slot_bytes, layout.num_slots,
+                          tuple(layout.layer_offsets), 0, "DRAM")
+    client = SimpleNamespace(
+        handshake=lambda record, engine_id, tp_rank: PeerInfo("p", None, staging, 30.0),
+        heartbeat=lambda ids, engine_id="": SimpleNamespace(unknown=[]),
+        release=lambda ids, engine_id="", tp_rank=0: SimpleNamespace(unknown=[]))
+
+    class Inline:
+        def submit(self, fn, *args, **kwargs):
+            f: Future = Future()
+            f.set_result(fn(*args, **kwargs))
+            return f
+
+    log: list = []
+    handles: list[_Pending] = []
+
+    def decode(load, layers, recv_offset, chunk_offsets):
+        log.append(("decode", tuple(layers)))
+        handles.append(_Pending(log, layers, refuse_layer in layers))
+        return handles[-1]
+
+    def prepare(load, recv_offset, chunk_offsets):
+        log.append(("prepare", len(chunk_offsets)))
+
+    wire = _Wire()
+    local = LocalEnd("d", 0, None, "DRAM", 1 << 30, 0, 64, 2 * HEADS * DIM * 2 * n_layers)
+    loader = KVLoader(config, geo, layout,
+                      lambda layer, t, i: codec.encoded_nbytes(layer, t, HEADS, i * BS), local,
+                      wire, SimpleNamespace(get=lambda host, port: client), ByteRanges(1 << 20),
+                      decode, Inline(), TurboWireConnectorStats(), prepare=prepare)
+    load = LoadRequest("r", "remote-r", PeerAddress("p", "h", 1, 1),
+                       [LoadBlock(i, 3 + i, BS, i, 9 + i) for i in range(3)], "raw", [3, 4, 5])
+    return loader, wire, load, log, handles
+
+
+def test_the_loader_finishes_a_load_only_once_its_gpu_decodes_ran():
+    loader, wire, load, log, handles = _loader()
+    loader.start([load])  # the handshake goes out
+    assert loader.results() == (set(), set())  # the READs go out
+    assert len(wire.reads) == 2 and log == [("prepare", 4 * 3)]  # the plan, while they move
+    wire.reads[0].landed = True
+    assert loader.results() == (set(), set())  # group 0 handed over, its decode not run yet
+    assert [e for e in log if e[0] == "decode"] == [("decode", (0,))]
+    handles[0].ran = True
+    for x in wire.reads:
+        x.landed = True
+    wire.auto_land = True
+    wire_posted = len(wire.reads)
+    finished, failed = loader.results()
+    # every landed group in one call (the READs posted meanwhile included), then one wait
+    assert len(wire.reads) == 4 > wire_posted
+    assert [e[1] for e in log if e[0] == "decode"] == [(0,), (1,), (2,), (3,)]
+    assert [e for e in log if e[0] == "wait"] == [("wait", (1,)), ("wait", (2,)), ("wait", (3,))]
+    assert finished == {"r"} and not failed
+    assert loader.take_reports()["r"].failed is None
+
+
+def test_a_refused_gpu_decode_fails_the_load_and_abandons_the_rest():
+    loader, wire, load, log, handles = _loader(refuse_layer=1)
+    loader.start([load])
+    for _ in range(3):
+        for x in wire.reads:
+            x.landed = True
+        finished, failed = loader.results()
+        if failed:
+            break
+    assert failed == {"r"} and finished == {"r"}
+    assert loader.take_reports()["r"].failed == "checksum"
+    abandoned = [e[1] for e in log if e[0] == "abandon"]
+    assert abandoned == [(2,), (3,)]  # queued after the refused group: never waited for
+    assert not loader.pending
