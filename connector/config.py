@@ -675,11 +675,11 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "or 4-7"),),
         ),
         "Cores of the connector's background threads (NIXL progress and UCX threads, the "
-        "worker's thread pool). `auto`: the cores of the engine process that started the "
-        "worker; vLLM's CPU worker otherwise starts them on its OpenMP master's core, where "
-        "two unpinned engines on a small machine starve each other's transfers. `inherit`: "
-        "vLLM's placement. No effect where the platform has no thread affinity.",
-        default="auto",
+        "worker's thread pool). `inherit`: vLLM's placement (on CPU engines, the OpenMP "
+        "master's core). `auto`: the cores of the engine process that started the worker. "
+        "A list: those cores. Pinning the engines themselves is what makes CPU transfers fast "
+        "(README, CPU engines). No effect where the platform has no thread affinity.",
+        default="inherit",
     ),
     ConfigKey(
         "transport",

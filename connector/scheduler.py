@@ -148,6 +148,11 @@ class TurboWireScheduler:
         self._publish_gauges()
         # the gauge values handed to vLLM last (the ones above go with the first step)
         self._published_gauges: tuple[int, int] = self._gauge_values()
+        # an idle CPU engine that keeps stepping spins its worker's main thread on a core that
+        # other engines' transfer threads need (bench/RESULTS.md "Starved CPUs"): there, steps
+        # are only asked for while the exported gauges are known to be stale
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+        self._step_while_leased = device != "cpu"
         if self.speculative.enabled:
             logger.info(
                 "turbowire speculative decoding: %s, %d tokens; saves held %d position(s) behind "
@@ -357,9 +362,17 @@ class TurboWireScheduler:
         reaper thread frees it) left ``turbowire_staging_in_use_bytes`` and
         ``turbowire_leases_outstanding`` at their last value forever. Bounded: leases end within
         ``lease_seconds``, then one step exports the empty pool and the engine idles again
-        (empty steps, like vLLM's NixlConnector stepping until its delayed frees are read)."""
+        (empty steps, like vLLM's NixlConnector stepping until its delayed frees are read).
+
+        Not on CPU engines: there an idle engine's empty steps spin its worker's main thread on
+        a core shared with other engines' NIXL threads; a decode engine's first READ from it
+        then stalled past ``lease_seconds`` (5 pinned engines on 2 cores). A CPU engine steps
+        only while the exported gauges are known to differ from the pool; a lease that expires
+        after the engine went idle is exported at its next step."""
         live = self._gauge_values()
-        return live[1] > 0 or live != self._published_gauges
+        if live != self._published_gauges:
+            return True
+        return self._step_while_leased and live[1] > 0
 
     # ------------------------------------------------------------------ decode role
     def get_num_new_matched_tokens(

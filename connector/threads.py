@@ -9,10 +9,12 @@ the core where the decode worker's main thread spins waiting for its next step; 
 2-core machine, its threads stayed runnable with no CPU time for 10 s and more, and the first
 load timed out (bench/RESULTS.md, "Starved CPUs").
 
-So those threads are started on the cores of the engine process that spawned the worker (vLLM's
-EngineCore, the process vLLM itself leaves unpinned or gives the cores it reserves), not on the
-OpenMP master's core. ``connector_thread_cpus`` overrides it: ``inherit`` keeps vLLM's placement,
-a list such as ``2,3`` or ``4-7`` names the cores.
+``connector_thread_cpus: auto`` starts those threads on the cores of the engine process that
+spawned the worker (vLLM's EngineCore, the process vLLM itself leaves unpinned or gives the cores
+it reserves) instead; a list such as ``2,3`` or ``4-7`` names the cores. The default, ``inherit``,
+keeps vLLM's placement: measured, ``auto`` gets the progress thread CPU but the first load still
+stalls (the prefill worker's main thread stays on the shared core), so pinning each engine to its
+own cores remains the fix.
 """
 
 from __future__ import annotations

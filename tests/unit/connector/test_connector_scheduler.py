@@ -23,7 +23,8 @@ LEASE_TOKEN = "ab" * 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 
 
-def make_scheduler(preset: str = "tq4", staging: str = "1MiB") -> TurboWireScheduler:
+def make_scheduler(preset: str = "tq4", staging: str = "1MiB",
+                   device: str = "cuda") -> TurboWireScheduler:
     ktc = KVTransferConfig(
         kv_connector="TurboWireConnector", kv_role="kv_both",
         kv_connector_extra_config={"preset": preset, "staging_bytes": staging},
@@ -33,6 +34,7 @@ def make_scheduler(preset: str = "tq4", staging: str = "1MiB") -> TurboWireSched
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
         model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny"),
         speculative_config=None,
+        device_config=SimpleNamespace(device_type=device),
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(
@@ -550,6 +552,26 @@ def test_gauges_return_to_zero_after_leases_expire_on_an_idle_engine(prefill):
     assert _exported(reg) == {"turbowire_staging_in_use_bytes": 0.0,
                               "turbowire_leases_outstanding": 0.0}
     assert not sched.has_pending_push_work()  # idle for good, and the gauges are true
+    sched.shutdown()
+
+
+def test_an_idle_cpu_engine_does_not_spin_while_a_lease_is_out():
+    """On CPU the idle engine's empty steps spin a core other engines' NIXL threads need: it
+    steps only while the exported gauges are stale, not for as long as a lease is out."""
+    sched = make_scheduler(device="cpu")
+    mgr = FakeManager()
+    sched.bind_kv_cache_manager(mgr)
+    reg, prom = _exporter()
+    _finish_prefill(sched, mgr, "held", n=64)
+    assert sched.has_pending_push_work()  # the new lease is not exported yet
+    _engine_step(sched, prom)
+    assert _exported(reg)["turbowire_leases_outstanding"] == 1
+    assert not sched.has_pending_push_work()  # exported, lease still out: the engine may idle
+    sched.pool.release(["held"])
+    assert sched.has_pending_push_work()  # stale again: one more step exports it
+    _engine_step(sched, prom)
+    assert _exported(reg)["turbowire_leases_outstanding"] == 0
+    assert not sched.has_pending_push_work()
     sched.shutdown()
 
 
