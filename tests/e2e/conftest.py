@@ -4,7 +4,6 @@ compressed one), under the machine-wide engine lock; everything is stopped by pr
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from turbowire.serving.launch import (  # noqa: E402
     start_proxy,
     turbowire_kv_config,
 )
+from turbowire.serving.soak import metric_sum, scrape_metrics  # noqa: E402,F401 (tests import them from here)
 
 BLOCK_SIZE = 32
 VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
@@ -93,33 +93,6 @@ class PDStack:
 
     def metrics(self, url: str) -> dict[str, float]:
         return scrape_metrics(url)
-
-
-def scrape_metrics(url: str) -> dict[str, float]:
-    """Every sample of one engine's /metrics by its ``name{labels}`` line (labels kept)."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
-    """Sum samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for key, value in samples.items():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?$", key)
-        if not m or m.group(1) != name:
-            continue
-        lbl = m.group(2) or ""
-        if all(f'{k}="{v}"' in lbl for k, v in labels.items()):
-            total += value
-    return total
 
 
 def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
