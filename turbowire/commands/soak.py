@@ -141,6 +141,11 @@ def register(app: typer.Typer) -> None:
         lease_seconds: float = typer.Option(
             5.0, "--lease-seconds", min=1.0,
             help="The engines' lease_seconds: how long an unread (aborted) lease holds staging."),
+        engine_env: list[str] = typer.Option(
+            [], "--engine-env", metavar="KEY=VALUE",
+            help="Extra environment of both engines (repeatable); KEY= drops a default. "
+                 "Default: ONEDNN_PRIMITIVE_CACHE_CAPACITY=64, which bounds oneDNN's per-shape "
+                 "GEMM cache so the RSS bound measures the serving path, not that cache."),
         out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
         log_dir: Path = typer.Option(
             Path("/tmp/turbowire-soak"), "--log-dir", help="Engine and proxy logs."),
@@ -168,6 +173,8 @@ def register(app: typer.Typer) -> None:
           turbowire soak --model ~/.cache/turbowire/models/tw-e2e-tiny-llama-v1 --preset raw
 
           turbowire soak --out /tmp/soak.json --log-dir /tmp/soak-logs
+
+          turbowire soak --engine-env ONEDNN_PRIMITIVE_CACHE_CAPACITY=   # oneDNN's default cache
         """
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -175,7 +182,7 @@ def register(app: typer.Typer) -> None:
         from turbowire.commands.demo import print_start_error
         from turbowire.connector.codecs import known_presets
         from turbowire.serving.launch import EngineStartError
-        from turbowire.serving.soak import SoakConfig, run_soak
+        from turbowire.serving.soak import DEFAULT_ENGINE_ENV, SoakConfig, run_soak
 
         console = Console()
         presets = known_presets()
@@ -189,9 +196,18 @@ def register(app: typer.Typer) -> None:
             model_path = Path(model).expanduser()
             if not (model_path / "config.json").is_file():
                 raise typer.BadParameter(f"--model {model!r}: no config.json in that folder")
+        env = dict(DEFAULT_ENGINE_ENV)
+        for item in engine_env:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise typer.BadParameter(f"--engine-env {item!r}: expected KEY=VALUE")
+            if value:
+                env[key] = value
+            else:
+                env.pop(key, None)
         cfg = SoakConfig(requests=requests, concurrency=concurrency,
                          abort_fraction=abort_fraction, seed=seed, preset=preset,
-                         warmup_requests=warmup, lease_seconds=lease_seconds)
+                         warmup_requests=warmup, lease_seconds=lease_seconds, engine_env=env)
         import signal
 
         def _terminate(signum: int, _frame: object) -> None:

@@ -75,6 +75,14 @@ KV_USAGE_GAUGE = "vllm:kv_cache_usage_perc"
 PROXY_IN_FLIGHT = "turbowire_proxy_in_flight_requests"
 
 
+#: oneDNN (vLLM's CPU GEMMs, ``onednn_mm``) caches a JIT-compiled primitive per GEMM shape, up
+#: to ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` (1024 by default); a prefill engine sees a new M for
+#: every distinct prompt or chunk length, so its RSS climbs by hundreds of MiB until the cache
+#: is full, whatever the connector does (bench/prefill_rss.py; README "CPU engines"). The soak
+#: bounds that cache so that what is left of the RSS growth is the serving path's own.
+DEFAULT_ENGINE_ENV: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+
+
 @dataclass(frozen=True)
 class SoakBounds:
     """What counts as a leak, per engine process tree, between the warm-up and the end.
@@ -86,12 +94,13 @@ class SoakBounds:
     ``max_thread_growth``: thread pools (gRPC server, tokenizer, NIXL progress) start threads
     lazily up to a fixed maximum. RSS: ``max_rss_growth_bytes`` for what glibc arenas and the
     Python heap keep of a peak batch, plus ``max_rss_growth_per_request`` for every request
-    after the warm-up: a vLLM 0.32 CPU prefill worker serving requests straight (no KV transfer)
-    grows about 0.2 MiB per request of this mix (measured on the tiny model, linear over 750
-    requests; partly heap retention, ``malloc_trim`` gives back about 40 %), which 256 KiB
-    allows; a per-request leak of the transfer path (staging views, registrations, transfer
-    handles of a few hundred KiB) exceeds it. The decode tree is held to the same bound. KV usage
-    and staging bytes must return exactly to their baselines.
+    after the warm-up. Those hold only with oneDNN's primitive cache bounded
+    (:data:`DEFAULT_ENGINE_ENV`): at its default capacity a CPU prefill worker grows by a
+    primitive per new GEMM shape, linearly in distinct prompt lengths, with or without a
+    connector. With it bounded, a per-request leak of the transfer path (staging views,
+    registrations, transfer handles of a few hundred KiB) still exceeds 256 KiB per request.
+    The decode tree is held to the same bound. KV usage and staging bytes must return exactly to
+    their baselines.
     """
 
     max_fd_growth: int = 8
@@ -133,6 +142,8 @@ class SoakConfig:
     startup_timeout_s: float = 900.0
     greedy_check_samples: int = 16
     served_model_name: str = "soak"
+    #: extra environment of both engines; see :data:`DEFAULT_ENGINE_ENV` for why the default
+    engine_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ENGINE_ENV))
     bounds: SoakBounds = field(default_factory=SoakBounds)
 
     def __post_init__(self) -> None:
@@ -673,11 +684,11 @@ def start_soak_stack(model: Path, cfg: SoakConfig, log_dir: Path,
     p = group.add(start_engine(EngineSpec(
         "prefill", model, free_port(), cpu=0,
         kv_transfer_config=turbowire_kv_config(side_channel_port=p_side, **extra),
-        **common), log_dir))
+        env=dict(cfg.engine_env), **common), log_dir))
     d = group.add(start_engine(EngineSpec(
         "decode", model, free_port(), cpu=1,
         kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **extra),
-        **common), log_dir))
+        env=dict(cfg.engine_env), **common), log_dir))
     p.wait_healthy(cfg.startup_timeout_s)
     d.wait_healthy(cfg.startup_timeout_s)
     x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
