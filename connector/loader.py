@@ -60,6 +60,18 @@ class LoadFailed(TurboWireError):
         self.reason = reason  # type: ignore[misc]  # per instance: one class, many reasons
 
 
+class LeaseRefusedError(LoadFailed):
+    """The prefill engine holds the lease but refused the claim: the lease token presented (the
+    request's ``turbowire_lease_token``) is not that lease's. Not an expiry: ``lease_seconds``
+    has nothing to do with it; the request's ``kv_transfer_params`` were altered, or name another
+    request's lease."""
+
+    reason = "lease_refused"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(type(self).reason, message)
+
+
 @dataclass
 class PeerState:
     info: PeerInfo
@@ -122,11 +134,14 @@ def layer_groups(num_layers: int, groups: int) -> list[range]:
 class ChunkOffsets(Mapping[tuple[int, int], tuple[int, int]]):
     """Where each chunk of a load lies in its receive range: ``(block position, layer) ->
     (offset, bytes)``, backed by two ``[layers, blocks]`` arrays (``offsets``, ``sizes``) that a
-    decode can take whole."""
+    decode can take whole; ``groups``: the layers of each READ, in the order they are handed to
+    the decode (the GPU path prepares one launch per group)."""
 
-    def __init__(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    def __init__(self, offsets: np.ndarray, sizes: np.ndarray,
+                 groups: list[range] | None = None) -> None:
         self.offsets = offsets
         self.sizes = sizes
+        self.groups = groups
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[int, int]:
         bi, layer = key
@@ -151,8 +166,9 @@ class PendingDecode(Protocol):
         ...
 
     def result(self) -> None:
-        """Wait for it; raise the decode's refusal (nothing of the refused chunks' layers was
-        written into the cache then)."""
+        """Wait for it; raise the decode's refusal (a refused chunk is never written into the
+        cache; valid chunks launched with it may be: they are blocks of the same load, which
+        fails as a whole, so vLLM recomputes them)."""
         ...
 
     def abandon(self) -> None:
@@ -367,23 +383,35 @@ class KVLoader:
         """Extend the prefill lease (one heartbeat round trip, sent when the READs are posted):
         a slot is only decoded once its lease is known to have held, so an expired (possibly
         reused) slot is never decoded. Bytes read from a slot reused meanwhile would also fail
-        the chunk tag or checksum."""
+        the chunk tag or checksum. A lease the prefill engine holds but refuses (wrong or missing
+        lease token) fails as ``lease_refused``, one it no longer holds as ``lease_expired``."""
         if job.claimed:
             return True
         if job.claim is None:
             load = job.load
             client = self._clients.get(load.peer.host, load.peer.port)
             job.claim = self._executor.submit(
-                client.heartbeat, [load.remote_request_id], self.engine_id
+                client.heartbeat, [load.remote_request_id], self.engine_id,
+                lease_tokens=[load.lease_token],
             )
             return False
         if not job.claim.done():
             return False
         reply = job.claim.result()
-        if job.load.remote_request_id in reply.unknown:
+        rid = job.load.remote_request_id
+        if rid in reply.refused:
+            raise LeaseRefusedError(
+                f"the prefill engine {job.load.peer.engine_id} holds the lease of request {rid} "
+                "but refused this engine's claim on it: the turbowire_lease_token in the "
+                "request's kv_transfer_params is not that lease's (the params were altered, or "
+                "their remote_request_id belongs to another request/lease); forward the prefill "
+                "engine's kv_transfer_params unchanged (not an expiry: lease_seconds does not "
+                "matter here)"
+            )
+        if rid in reply.unknown:
             raise LoadFailed(
                 "lease_expired",
-                f"the prefill engine no longer holds request {job.load.remote_request_id} "
+                f"the prefill engine no longer holds request {rid} "
                 "(lease expired before the decode engine got to it; raise lease_seconds)",
             )
         job.claimed = True
@@ -452,7 +480,7 @@ class KVLoader:
         flat = sizes.reshape(-1)
         ends = np.cumsum(flat)
         cursor = int(ends[-1]) if ends.size else 0
-        offsets = ChunkOffsets((ends - flat).reshape(sizes.shape), sizes)
+        offsets = ChunkOffsets((ends - flat).reshape(sizes.shape), sizes, groups)
         slot_arr = np.array(slots, dtype=np.int64)
         remote_addr = (staging.base_addr + slot_arr[None, :] * staging.slot_bytes
                        + np.array(staging.layer_offsets, dtype=np.int64)[:, None]).reshape(-1)
@@ -646,9 +674,17 @@ class KVLoader:
         def call() -> None:
             try:
                 reply = self._clients.get(load.peer.host, load.peer.port).release(
-                    [load.remote_request_id], self.engine_id, self.tp_rank
+                    [load.remote_request_id], self.engine_id, self.tp_rank,
+                    lease_tokens=[load.lease_token],
                 )
-                if reply.unknown:
+                if reply.refused:
+                    logger.warning(
+                        "prefill engine %s refused the release of %s: the lease token of the "
+                        "request's kv_transfer_params is not that lease's (altered params, or "
+                        "another request's); the lease expires on its own",
+                        load.peer.engine_id, load.remote_request_id,
+                    )
+                elif reply.unknown:
                     logger.warning(
                         "prefill engine %s had no lease for %s any more (expired?)",
                         load.peer.engine_id, load.remote_request_id,

@@ -65,7 +65,14 @@ class PeerAddress:
 @dataclass
 class LoadRequest:
     """One request's load (or, with no blocks, only the lease release a prefill engine waits
-    for)."""
+    for).
+
+    ``lease_token`` is the prefill lease's capability (``turbowire_lease_token`` of the
+    request's params; "" from a peer that issued none): the worker presents it on the claim and
+    the release. It is kept out of ``repr`` (log lines, tracebacks); the object travels from the
+    scheduler to the workers only inside vLLM's own pickled scheduler output, never over the
+    network.
+    """
 
     request_id: str
     remote_request_id: str
@@ -73,6 +80,7 @@ class LoadRequest:
     blocks: list[LoadBlock]
     preset: str
     block_ids: list[int] = field(default_factory=list)  # local block of request block i
+    lease_token: str = field(default="", repr=False, kw_only=True)
 
     @property
     def release_only(self) -> bool:

@@ -24,7 +24,7 @@ import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from turbowire.connector.geometry import blocks_for_tokens
@@ -62,32 +62,6 @@ def new_lease_token() -> str:
     return secrets.token_hex(LEASE_TOKEN_BYTES)
 
 
-class LeaseRef(str):
-    """A prefill request id as the decode side names its lease, carrying the lease's token.
-
-    It compares, hashes, prints and logs as the plain id (``repr`` too, so a log line or a
-    dataclass repr never shows the token); the side-channel client sends ``lease_token`` next to
-    it on releases and heartbeats. It pickles with its token (vLLM pickles the connector
-    metadata from the scheduler to the workers).
-    """
-
-    lease_token: str
-
-    def __new__(cls, request_id: str, lease_token: str | None = None) -> LeaseRef:
-        ref = super().__new__(cls, request_id)
-        ref.lease_token = lease_token or ""
-        return ref
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (LeaseRef, (str(self), self.lease_token))
-
-
-def lease_token_of(request_id: str) -> str:
-    """The token a :class:`LeaseRef` carries ("" for a plain id: no capability)."""
-    token = getattr(request_id, "lease_token", "")
-    return token if isinstance(token, str) else ""
-
-
 def _get(params: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     if key not in params or params[key] is None:
         raise TransferParamsError(f"kv_transfer_params.{key} is missing")
@@ -122,12 +96,8 @@ class RemotePrefill:
     prompt_hash: str | None
     fallback: str | None
     lease_seconds: float = DEFAULT_LEASE_SECONDS
-    lease_token: str | None = None  # the lease's capability (format 2); None from older peers
-
-    @property
-    def lease(self) -> LeaseRef:
-        """The remote request id with its lease token, as releases and heartbeats name it."""
-        return LeaseRef(self.request_id, self.lease_token)
+    # the lease's capability (format 2; None from older peers): never in a repr or a log line
+    lease_token: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], block_size: int) -> RemotePrefill:

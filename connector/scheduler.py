@@ -50,7 +50,7 @@ from turbowire.connector.speculative import (
     remote_prefill_tokens,
     truncate_for_prefill,
 )
-from turbowire.connector.staging import StagingFullError, StagingPool
+from turbowire.connector.staging import LeaseAnswer, StagingFullError, StagingPool
 from turbowire.connector.stats import TurboWireConnectorStats
 
 if TYPE_CHECKING:
@@ -81,7 +81,8 @@ class SendState:
 class HeartbeatTarget:
     host: str
     port: int
-    remote_request_id: str  # a LeaseRef: the id with its lease token
+    remote_request_id: str
+    lease_token: str = field(repr=False)  # the lease's capability: never in a repr or log line
     interval: float
     last_sent: float = field(default_factory=time.monotonic)
 
@@ -261,7 +262,8 @@ class TurboWireScheduler:
                     self._heartbeats[request.request_id] = HeartbeatTarget(
                         host=remote.host,
                         port=remote.port,
-                        remote_request_id=remote.lease,
+                        remote_request_id=remote.request_id,
+                        lease_token=remote.lease_token or "",
                         interval=max(0.5, remote.lease_seconds / 3),
                     )
             self._start_maintenance()
@@ -421,7 +423,7 @@ class TurboWireScheduler:
         peer = self._peer(remote)
         if num_external_tokens <= 0:
             if remote.slots:  # full local hit (or declined): only let the prefill engine go
-                self._queue_load(LoadRequest(req_id, remote.lease, peer, [], remote.preset))
+                self._queue_load(_load_request(req_id, remote, peer, []))
             return
         total = self._remote_total(remote, request)
         first_token = total - num_external_tokens
@@ -433,7 +435,7 @@ class TurboWireScheduler:
                 "request %s: %d local blocks allocated, %d needed; loading nothing",
                 req_id, len(group), last_block,
             )
-            self._queue_load(LoadRequest(req_id, remote.lease, peer, [], remote.preset))
+            self._queue_load(_load_request(req_id, remote, peer, []))
             return
         load_blocks = [
             LoadBlock(
@@ -446,9 +448,8 @@ class TurboWireScheduler:
             for i in range(first_block, last_block)
         ]
         self._queue_load(
-            LoadRequest(
-                req_id, remote.lease, peer, load_blocks, remote.preset,
-                block_ids=[b.block_id for b in group[:last_block]],
+            _load_request(
+                req_id, remote, peer, load_blocks, [b.block_id for b in group[:last_block]]
             )
         )
 
@@ -521,10 +522,7 @@ class TurboWireScheduler:
             remote = self._parse(request)
         if remote is None or not remote.slots:
             return
-        self._queue_load(
-            LoadRequest(request.request_id, remote.lease, self._peer(remote), [],
-                        remote.preset)
-        )
+        self._queue_load(_load_request(request.request_id, remote, self._peer(remote), []))
 
     def _parse_cleanup(self, request: Request) -> RemotePrefill | None:
         """The params of vLLM's pre-aborted cleanup request, which exists only to let the
@@ -672,22 +670,30 @@ class TurboWireScheduler:
     def _lease_refused(self, missing: list[str], wrong: list[str]) -> None:
         """Side-channel calls that named a lease without its token (gRPC threads): counted once
         per lease, ``incompatible`` without a token (a decode engine of transfer format 1),
-        ``bad_params`` with a wrong one (forged or altered kv_transfer_params)."""
+        ``lease_refused`` with a wrong one (forged or altered kv_transfer_params; the decode
+        engine whose claim was refused counts the same reason)."""
         for _ in missing:
             self.stats.record_failure("incompatible")
         for _ in wrong:
-            self.stats.record_failure("bad_params")
+            self.stats.record_failure("lease_refused")
 
     def _gauge_values(self) -> tuple[int, int]:
-        """(staging bytes in use, leases outstanding) of the pool right now."""
+        """(staging bytes in use, leases outstanding) of the pool right now. Every TP worker
+        holds a staging pool of the same slots, so the bytes are summed over the workers."""
         snap = self.pool.snapshot()
-        return snap.used_slots * self.layout.slot_bytes, snap.leases
+        return snap.used_slots * self.layout.slot_bytes * self.tp_size, snap.leases
 
     def _publish_gauges(self) -> None:
-        snap = self.pool.snapshot()
-        self.stats.set_gauge("staging_bytes_in_use", snap.used_slots * self.layout.slot_bytes)
-        self.stats.set_gauge("staging_capacity_bytes", self.layout.pool_bytes)
-        self.stats.set_gauge("leases_outstanding", snap.leases)
+        """The staging gauges, all three owned by the scheduler (the workers set none): they
+        share one ``worker`` label, and vLLM merges worker and scheduler stats of a step by
+        overwriting the same series, so a second owner's reading made the exported value depend
+        on which side reported last (a decode-only engine exported the capacity of a staging
+        pool it never allocated)."""
+        in_use, leases = self._gauge_values()
+        capacity = self.layout.pool_bytes * self.tp_size if self.is_producer else 0
+        self.stats.set_gauge("staging_bytes_in_use", in_use)
+        self.stats.set_gauge("staging_capacity_bytes", capacity)
+        self.stats.set_gauge("leases_outstanding", leases)
 
     # ------------------------------------------------------------------ background
     def _maintenance_loop(self) -> None:
@@ -708,32 +714,56 @@ class TurboWireScheduler:
 
     def _send_heartbeats(self) -> None:
         now = time.monotonic()
-        due: dict[tuple[str, int], list[str]] = {}
+        due: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
         with self._hb_lock:
             for target in self._heartbeats.values():
                 if now - target.last_sent >= target.interval:
                     target.last_sent = now
-                    due.setdefault((target.host, target.port), []).append(
-                        target.remote_request_id
-                    )
+                    ids, tokens = due.setdefault((target.host, target.port), ([], []))
+                    ids.append(target.remote_request_id)
+                    tokens.append(target.lease_token)
         if not due:
             return
         if self._clients is None:
             from turbowire.connector.sidechannel.client import ClientPool
 
             self._clients = ClientPool.from_config(self.config)
-        for (host, port), ids in due.items():
+        for (host, port), (ids, tokens) in due.items():
             try:
-                reply = self._clients.get(host, port).heartbeat(ids, self.engine_id)
+                reply = self._clients.get(host, port).heartbeat(
+                    ids, self.engine_id, lease_tokens=tokens
+                )
             except Exception as exc:  # noqa: BLE001 - logged and counted, retried next period
                 logger.warning("heartbeat to %s:%d failed: %s", host, port, exc)
                 self.stats.record_failure("peer_unreachable")
                 continue
-            if reply.unknown:
+            refused = set(reply.refused)
+            if refused:
+                logger.warning(
+                    "prefill engine %s:%d refused heartbeats for leases %s: the lease token in "
+                    "their kv_transfer_params is not the lease's (altered params, or another "
+                    "request's)", host, port, sorted(refused)[:5],
+                )
+            expired = [rid for rid in reply.unknown if rid not in refused]
+            if expired:
                 logger.warning(
                     "prefill engine %s:%d no longer holds leases %s (expired?)",
-                    host, port, list(reply.unknown)[:5],
+                    host, port, expired[:5],
                 )
+
+
+def _load_request(
+    req_id: str,
+    remote: RemotePrefill,
+    peer: PeerAddress,
+    blocks: list[LoadBlock],
+    block_ids: list[int] | None = None,
+) -> LoadRequest:
+    """A load (no blocks: only the release) of ``remote``'s lease, with the lease's token."""
+    return LoadRequest(
+        req_id, remote.request_id, peer, blocks, remote.preset, block_ids or [],
+        lease_token=remote.lease_token or "",
+    )
 
 
 def _is_cleanup(request: Request) -> bool:
@@ -766,14 +796,12 @@ class _GaugedLeases:
 
     def release(
         self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str]
-    ) -> tuple[list[str], list[str]]:
+    ) -> LeaseAnswer:
         result = self._owner.pool.release(request_ids, consumer, tokens)
         self._owner._publish_gauges()
         return result
 
-    def heartbeat(
-        self, request_ids: Sequence[str], tokens: Sequence[str]
-    ) -> tuple[list[str], list[str]]:
+    def heartbeat(self, request_ids: Sequence[str], tokens: Sequence[str]) -> LeaseAnswer:
         return self._owner.pool.heartbeat(request_ids, tokens)
 
     def snapshot(self) -> Any:

@@ -9,8 +9,10 @@ the engine loop, so every method takes the lock.
 Every lease carries an unguessable ``token`` (its capability, handed to the decode engine in the
 request's ``kv_transfer_params``). The side channel passes the tokens its caller presented, and
 a release or heartbeat without the lease's token frees or extends nothing: to the caller it is
-unknown, and ``on_refused`` hears of it (the scheduler counts it). ``tokens=None`` is for the
-engine's own (trusted, in-process) calls only.
+unknown *and refused* (the lease is held, its token was not presented: the caller's params were
+altered or belong to another request, which is not an expiry), and ``on_refused`` hears of it
+(the scheduler counts it). ``tokens=None`` is for the engine's own (trusted, in-process) calls
+only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from turbowire.connector.params import new_lease_token
 from turbowire.errors import TurboWireError
@@ -48,6 +51,15 @@ class Lease:
     released_by: set[int] = field(default_factory=set)
     token: str = field(default_factory=new_lease_token, repr=False)  # the lease's capability
     refusals: int = 0  # calls that named this lease without its token
+
+
+class LeaseAnswer(NamedTuple):
+    """What a release or heartbeat did to each id it named (the side channel's LeaseReply)."""
+
+    done: list[str]  # released (by this consumer) or extended
+    unknown: list[str]  # freed/extended nothing: not held, expired, not a reader, or refused
+    refused: list[str]  # the ids of ``unknown`` whose lease is held but was named without its
+    #                     token (missing or wrong): not an expiry
 
 
 @dataclass
@@ -125,13 +137,15 @@ class StagingPool:
         request_ids: Iterable[str],
         consumer: int = 0,
         tokens: Sequence[str] | None = None,
-    ) -> tuple[list[str], list[str]]:
+    ) -> LeaseAnswer:
         """Decode worker ``consumer`` (its TP rank) read these requests; slots are freed once
         every consumer released. ``tokens[i]`` is the capability presented for
-        ``request_ids[i]`` (None: a trusted in-process call). Returns (acknowledged, unknown);
-        a lease named without its token is unknown to that caller and stays held."""
+        ``request_ids[i]`` (None: a trusted in-process call). Returns (acknowledged, unknown,
+        refused); a lease named without its token is unknown and refused to that caller and
+        stays held."""
         released: list[str] = []
         unknown: list[str] = []
+        refused: list[str] = []
         missing: list[str] = []
         wrong: list[str] = []
         ids = list(request_ids)
@@ -143,6 +157,7 @@ class StagingPool:
                     continue
                 if not self._holds(lease, tokens, i, missing, wrong):
                     unknown.append(rid)
+                    refused.append(rid)
                     continue
                 lease.released_by.add(consumer)
                 released.append(rid)
@@ -150,15 +165,17 @@ class StagingPool:
                     del self._leases[rid]
                     self._give_back(lease.slots)
         self._refused(missing, wrong)
-        return released, unknown
+        return LeaseAnswer(released, unknown, refused)
 
     def heartbeat(
         self, request_ids: Iterable[str], tokens: Sequence[str] | None = None
-    ) -> tuple[list[str], list[str]]:
+    ) -> LeaseAnswer:
         """Extend leases of requests the decode engine still waits to read (also its claim
-        before decoding: a lease it does not hold is unknown, and nothing is decoded)."""
+        before decoding: a lease it does not hold is unknown, and nothing is decoded; one held
+        but named without its token is also refused)."""
         extended: list[str] = []
         unknown: list[str] = []
+        refused: list[str] = []
         missing: list[str] = []
         wrong: list[str] = []
         ids = list(request_ids)
@@ -166,14 +183,18 @@ class StagingPool:
             now = self.clock()
             for i, rid in enumerate(ids):
                 lease = self._leases.get(rid)
-                if lease is None or not self._holds(lease, tokens, i, missing, wrong):
+                if lease is None:
                     unknown.append(rid)
+                    continue
+                if not self._holds(lease, tokens, i, missing, wrong):
+                    unknown.append(rid)
+                    refused.append(rid)
                     continue
                 lease.expires_at = max(lease.expires_at, now + self.lease_seconds)
                 lease.heartbeats += 1
                 extended.append(rid)
         self._refused(missing, wrong)
-        return extended, unknown
+        return LeaseAnswer(extended, unknown, refused)
 
     @staticmethod
     def _holds(

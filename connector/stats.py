@@ -89,6 +89,7 @@ KNOWN_REASONS: tuple[str, ...] = (
     "format",
     "bounds",
     "lease_expired",
+    "lease_refused",
     "peer_unreachable",
     "incompatible",
     "staging_full",

@@ -153,8 +153,9 @@ class TurboWireWorker:
             device_id=max(device.index or 0, 0),
             mem_type=self.mem_type,
         )
+        # the staging gauges are the scheduler's (it owns the pool; _publish_gauges): a reading
+        # from here shared their series and overwrote or was overwritten by the scheduler's
         pool = self.layout.pool_bytes if self.is_producer else 0
-        self.stats.set_gauge("staging_capacity_bytes", pool)
         logger.info(
             "turbowire worker tp%d: %d layers registered, staging %d B, recv %d B (%s)",
             self.tp_rank, len(self.kv_caches), pool,

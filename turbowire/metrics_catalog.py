@@ -79,7 +79,8 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "loaded.",
                stats_name="transfers"),
     MetricSpec("turbowire_kv_transfer_failures_total", "counter", ("reason",),
-               "Failed KV transfers by reason (handshake, timeout, checksum, lease_expired, ...).",
+               "Failed KV transfers by reason (handshake, timeout, checksum, lease_expired, "
+               "lease_refused, ...).",
                stats_name="failures"),
     MetricSpec("turbowire_kv_fallbacks_total", "counter", ("reason",),
                "Requests served without the compressed path (e.g. recomputed locally), by reason.",
@@ -102,7 +103,8 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
                "Bytes of the compressed staging pool currently leased (summed over workers).",
                stats_name="staging_bytes_in_use"),
     MetricSpec("turbowire_staging_capacity_bytes", "gauge", (),
-               "Size of the compressed staging pool (summed over workers).",
+               "Size of the compressed staging pool (summed over workers; 0 on an engine "
+               "that stages nothing, e.g. a kv_consumer).",
                stats_name="staging_capacity_bytes"),
     MetricSpec("turbowire_leases_outstanding", "gauge", (),
                "Staging leases held for peers that have not released them yet.",

@@ -19,7 +19,6 @@ import grpc
 
 from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
 from turbowire.connector.config import TurboWireConfig, format_size
-from turbowire.connector.params import lease_token_of
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
 from turbowire.connector.sidechannel.convert import (
@@ -78,14 +77,13 @@ class PeerInfo:
 def _with_tokens(
     request_ids: Sequence[str], lease_tokens: Sequence[str] | None
 ) -> tuple[list[str], list[str]]:
-    """Plain ids and the lease token of each (explicit, else carried by a LeaseRef, else "")."""
+    """The ids and the lease token presented for each ("" for none; no list when none has one)."""
     ids = [str(rid) for rid in request_ids]
     if lease_tokens is None:
-        tokens = [lease_token_of(rid) for rid in request_ids]
-    else:
-        tokens = [t or "" for t in lease_tokens]
-        if len(tokens) != len(ids):
-            raise ValueError(f"{len(tokens)} lease tokens for {len(ids)} request ids")
+        return ids, []
+    tokens = [t or "" for t in lease_tokens]
+    if len(tokens) != len(ids):
+        raise ValueError(f"{len(tokens)} lease tokens for {len(ids)} request ids")
     return ids, tokens if any(tokens) else []
 
 
@@ -217,8 +215,9 @@ class SideChannelClient:
         tp_rank: int = 0,
         lease_tokens: Sequence[str] | None = None,
     ) -> pb.LeaseReply:
-        """Release leases; each id presents its lease token (``lease_tokens``, or the token a
-        :class:`~turbowire.connector.params.LeaseRef` id carries)."""
+        """Release leases; ``lease_tokens[i]`` is the lease token presented for
+        ``request_ids[i]`` (the ``turbowire_lease_token`` of its params). Without it the prefill
+        engine frees nothing: the id comes back ``unknown`` (and ``refused`` if held)."""
         ids, tokens = _with_tokens(request_ids, lease_tokens)
         try:
             return self._stub.ReleaseLease(

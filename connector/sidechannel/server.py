@@ -6,7 +6,9 @@ leases in the prefill engine's :class:`~turbowire.connector.staging.StagingPool`
 token configured, every call must carry ``authorization: Bearer <token>``. A release or heartbeat
 must also present each lease's own capability (``lease_tokens``, issued in the request's
 ``kv_transfer_params``): the auth token admits a peer engine, the lease token proves the call
-comes from the holder of that request's params.
+comes from the holder of that request's params. A lease named without its token is answered
+``unknown`` and ``refused`` (held, but not the caller's), so the decode engine reports a
+refusal, not an expiry.
 
 With :class:`SideChannelTLS` (``side_channel_tls_cert``/``_key``) the server speaks TLS only; with
 a CA bundle too (``side_channel_tls_ca``) it also requires client certificates signed by that CA
@@ -137,15 +139,16 @@ class SideChannelTLS:
 
 class LeaseHandler(Protocol):
     """The prefill engine's leases; ``tokens[i]`` is the capability presented for
-    ``request_ids[i]`` ("" when the caller sent none). Returns (done, unknown)."""
+    ``request_ids[i]`` ("" when the caller sent none). Returns (done, unknown, refused), refused
+    a subset of unknown (:class:`~turbowire.connector.staging.LeaseAnswer`)."""
 
     def release(
         self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str]
-    ) -> tuple[list[str], list[str]]: ...
+    ) -> tuple[list[str], list[str], list[str]]: ...
 
     def heartbeat(
         self, request_ids: Sequence[str], tokens: Sequence[str]
-    ) -> tuple[list[str], list[str]]: ...
+    ) -> tuple[list[str], list[str], list[str]]: ...
 
     def snapshot(self) -> Any: ...
 
@@ -241,17 +244,17 @@ class _Servicer(pb_grpc.SideChannelServicer):
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
         ids, tokens = self._ids(request, context)
-        done, unknown = self._owner.leases.release(ids, request.tp_rank, tokens)
+        done, unknown, refused = self._owner.leases.release(ids, request.tp_rank, tokens)
         if unknown:
             logger.info("release for unknown/expired/refused leases %s", unknown[:5])
-        return pb.LeaseReply(done=done, unknown=unknown)
+        return pb.LeaseReply(done=done, unknown=unknown, refused=refused)
 
     def Heartbeat(  # noqa: N802
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
         ids, tokens = self._ids(request, context)
-        done, unknown = self._owner.leases.heartbeat(ids, tokens)
-        return pb.LeaseReply(done=done, unknown=unknown)
+        done, unknown, refused = self._owner.leases.heartbeat(ids, tokens)
+        return pb.LeaseReply(done=done, unknown=unknown, refused=refused)
 
     def PoolStatus(  # noqa: N802
         self, request: pb.PoolStatusRequest, context: grpc.ServicerContext

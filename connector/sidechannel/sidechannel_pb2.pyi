@@ -89,12 +89,14 @@ class LeaseRequest(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("done", "unknown")
+    __slots__ = ("done", "unknown", "refused")
     DONE_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     done: _containers.RepeatedScalarFieldContainer[str]
     unknown: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, done: _Optional[_Iterable[str]] = ..., unknown: _Optional[_Iterable[str]] = ...) -> None: ...
+    refused: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, done: _Optional[_Iterable[str]] = ..., unknown: _Optional[_Iterable[str]] = ..., refused: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStatusRequest(_message.Message):
     __slots__ = ()

@@ -532,9 +532,10 @@ MALFORMED = {
     "block-ids-of-another-request": (
         lambda kv, o: {**kv, "remote_block_ids": o()["remote_block_ids"]}, "format"),
     "request-id-of-another-request": (
-        # the claim presents this request's lease token for the other request's lease: refused
-        # (the other lease is left alone), so the load fails before any chunk is decoded
-        lambda kv, o: {**kv, "remote_request_id": o()["remote_request_id"]}, "lease_expired"),
+        # the claim presents this request's lease token for the other request's lease, which
+        # the prefill engine holds: refused (not expired; the other lease is left alone), so
+        # the load fails as lease_refused before any chunk is decoded
+        lambda kv, o: {**kv, "remote_request_id": o()["remote_request_id"]}, "lease_refused"),
     "oversized-block-list": (_replace(remote_block_ids=list(range(200_000))), "bad_params"),
     "oversized-consistent-list": (_replace(remote_block_ids=list(range(10**6, 10**6 + 100_000)),
                                            remote_num_tokens=100_000 * BLOCK_SIZE), "bounds"),

@@ -1226,6 +1226,11 @@ def sidechannel_lease(leases: list[tuple[str, int]],
                 released[rid].add(rank)
         got_done, got_unknown = Counter(reply.done), Counter(reply.unknown)
         assert got_done + got_unknown == Counter(ids), f"{verb}({ids}): {reply}"
+        # refused: held leases named without their token, a part of unknown; never an id that
+        # presented its own lease's token
+        got_refused = Counter(reply.refused)
+        assert all(got_refused[r] <= got_unknown[r] for r in got_refused), f"{verb}: {reply}"
+        assert proof != "token" or not reply.refused, f"{verb}({ids}) with tokens: {reply}"
         for rid in set(ids):
             assert done[rid] <= got_done[rid] <= done[rid] + either[rid], (
                 f"{verb}({ids}, tp_rank={rank}): done={list(reply.done)} unknown="

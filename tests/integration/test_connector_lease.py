@@ -10,7 +10,6 @@ import connector_peer as peer  # tests/integration is on sys.path (pytest rootdi
 import grpc
 import pytest
 
-from turbowire.connector.params import LeaseRef
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
 from turbowire.connector.sidechannel.client import SideChannelClient
 from turbowire.connector.sidechannel.convert import StagingInfo
@@ -37,21 +36,22 @@ def test_heartbeat_keeps_lease_and_expiry_frees_staging():
     client = SideChannelClient("127.0.0.1", server.port, None, timeout=5)
     try:
         pool.reserve("kept", 3)
-        kept = LeaseRef("kept", pool.lease("kept").token)
+        kept = [pool.lease("kept").token]
         pool.reserve("dropped", 3)
-        dropped = LeaseRef("dropped", pool.lease("dropped").token)
+        dropped = [pool.lease("dropped").token]
         assert pool.snapshot().used_slots == 6
         t_end = time.monotonic() + 2.5
         while time.monotonic() < t_end:  # 2.5 s > lease_seconds: only heartbeats keep "kept"
-            reply = client.heartbeat([kept])
+            reply = client.heartbeat(["kept"], lease_tokens=kept)
             assert list(reply.done) == ["kept"]
             time.sleep(0.3)
         snap = pool.snapshot()
         assert snap.leases == 1 and snap.used_slots == 3, snap
-        assert list(client.release([dropped]).unknown) == ["dropped"]
+        reply = client.release(["dropped"], lease_tokens=dropped)
+        assert list(reply.unknown) == ["dropped"] and not reply.refused  # expired, not refused
         # the freed slots are allocatable again
         assert sorted(pool.reserve("next", 3)) == [3, 4, 5]
-        assert list(client.release([kept]).done) == ["kept"]
+        assert list(client.release(["kept"], lease_tokens=kept).done) == ["kept"]
         assert pool.snapshot().used_slots == 3
     finally:
         stop.set()
@@ -62,7 +62,8 @@ def test_heartbeat_keeps_lease_and_expiry_frees_staging():
 def test_a_release_or_heartbeat_must_present_the_lease_token():
     """Over the real side channel (with the auth token, which every engine of the deployment
     holds): naming a live lease's request id without its lease token, or with another lease's,
-    releases and extends nothing; the holder's token does. Counted on the prefill engine."""
+    releases and extends nothing (answered refused); the holder's token does. Counted on the
+    prefill engine."""
     refused: list[tuple[list[str], list[str]]] = []
     pool = StagingPool(num_slots=6, lease_seconds=30.0,
                        on_refused=lambda missing, wrong: refused.append((missing, wrong)))
@@ -74,23 +75,23 @@ def test_a_release_or_heartbeat_must_present_the_lease_token():
     client = SideChannelClient("127.0.0.1", server.port, "shared-token-123", timeout=5)
     try:
         pool.reserve("victim", 3)
-        victim = LeaseRef("victim", pool.lease("victim").token)
+        victim = pool.lease("victim").token
         pool.reserve("attacker", 3)
-        attacker = LeaseRef("attacker", pool.lease("attacker").token)
-        forged = LeaseRef("victim", attacker.lease_token)  # the attacker's own, valid token
+        attacker = pool.lease("attacker").token  # the attacker's own, valid token
         for call in (client.release, client.heartbeat):
-            assert list(call(["victim"]).unknown) == ["victim"]  # no token at all
-            assert list(call([forged]).unknown) == ["victim"]
-            assert list(call(["victim"], lease_tokens=["0" * 32]).unknown) == ["victim"]
+            for tokens in (None, [attacker], ["0" * 32]):  # none at all, another's, a made-up
+                reply = call(["victim"], lease_tokens=tokens)
+                assert list(reply.unknown) == ["victim"] and list(reply.refused) == ["victim"]
         assert pool.has_lease("victim") and pool.snapshot().used_slots == 6
         assert refused == [(["victim"], [])]  # counted once per lease
         # a malformed call is refused before it reaches the pool
         with pytest.raises(grpc.RpcError, match="1 lease tokens for 2 request ids"):
             client._stub.ReleaseLease(pb.LeaseRequest(request_ids=["victim", "attacker"],
-                                                      lease_tokens=[victim.lease_token]),
+                                                      lease_tokens=[victim]),
                                       timeout=5, metadata=client._metadata)
-        assert list(client.heartbeat([victim]).done) == ["victim"]
-        assert list(client.release([victim, attacker]).done) == ["victim", "attacker"]
+        assert list(client.heartbeat(["victim"], lease_tokens=[victim]).done) == ["victim"]
+        reply = client.release(["victim", "attacker"], lease_tokens=[victim, attacker])
+        assert list(reply.done) == ["victim", "attacker"]
         assert pool.snapshot().used_slots == 0
     finally:
         client.close()

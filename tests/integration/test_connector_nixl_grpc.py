@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from turbowire.connector.params import LeaseRef
 from turbowire.connector.sidechannel.client import SideChannelClient
 from turbowire.connector.transports.base import TransferState
 from turbowire.connector.transports.nixl import NixlTransport
@@ -79,16 +78,16 @@ def test_handshake_read_verify_release(prefill_peer):
         assert np.array_equal(got, want)
     assert nbytes == 3 * (700 + 800 + 900)
 
-    req_a = LeaseRef("req-A", peer.lease_token("req-A"))
-    req_b = LeaseRef("req-B", peer.lease_token("req-B"))
-    assert list(client.release(["req-A"], "engine-D").unknown) == ["req-A"]  # no lease token
-    reply = client.release([req_a], "engine-D")
+    token_a, token_b = peer.lease_token("req-A"), peer.lease_token("req-B")
+    reply = client.release(["req-A"], "engine-D")  # no lease token: held, refused
+    assert list(reply.unknown) == ["req-A"] and list(reply.refused) == ["req-A"]
+    reply = client.release(["req-A"], "engine-D", lease_tokens=[token_a])
     assert list(reply.done) == ["req-A"] and not reply.unknown
-    reply = client.release([req_a, "never"], "engine-D")
-    assert not reply.done and list(reply.unknown) == ["req-A", "never"]
-    reply = client.heartbeat([req_b], "engine-D")
+    reply = client.release(["req-A", "never"], "engine-D", lease_tokens=[token_a, ""])
+    assert not reply.done and list(reply.unknown) == ["req-A", "never"] and not reply.refused
+    reply = client.heartbeat(["req-B"], "engine-D", lease_tokens=[token_b])
     assert list(reply.done) == ["req-B"]
-    client.release([req_b], "engine-D")
+    client.release(["req-B"], "engine-D", lease_tokens=[token_b])
     transport.close()
     client.close()
     print(f"handshake {handshake_ms:.1f} ms")

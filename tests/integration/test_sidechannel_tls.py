@@ -119,12 +119,13 @@ class SpyLeases:
             self._block.wait(30)
 
     def release(self, request_ids: Any, consumer: int = 0, tokens: Any = None
-                ) -> tuple[list[str], list[str]]:
+                ) -> tuple[list[str], list[str], list[str]]:
         self.calls.append("release")
         self._wait()
         return self.pool.release(request_ids, consumer, tokens)
 
-    def heartbeat(self, request_ids: Any, tokens: Any = None) -> tuple[list[str], list[str]]:
+    def heartbeat(self, request_ids: Any, tokens: Any = None
+                  ) -> tuple[list[str], list[str], list[str]]:
         self.calls.append("heartbeat")
         self._wait()
         return self.pool.heartbeat(request_ids, tokens)

@@ -52,6 +52,7 @@ def test_every_exception_class_has_the_common_base():
     ("turbowire.connector.sidechannel.client:PeerUnreachableError", "peer_unreachable"),
     ("turbowire.connector.sidechannel.client:SideChannelAuthError", "handshake"),
     ("turbowire.connector.transports.base:TransportError", "transport"),
+    ("turbowire.connector.loader:LeaseRefusedError", "lease_refused"),
 ])
 def test_reasons_come_from_the_class(exc, reason):
     module, name = exc.split(":")

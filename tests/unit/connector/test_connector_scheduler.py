@@ -23,26 +23,31 @@ LEASE_TOKEN = "ab" * 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 
 
-def make_scheduler(preset: str = "tq4", staging: str = "1MiB",
-                   device: str = "cuda") -> TurboWireScheduler:
+def _configs(preset: str = "tq4", staging: str = "1MiB", device: str = "cuda",
+             role: str = "kv_both", tp: int = 1):
     ktc = KVTransferConfig(
-        kv_connector="TurboWireConnector", kv_role="kv_both",
+        kv_connector="TurboWireConnector", kv_role=role,
         kv_connector_extra_config={"preset": preset, "staging_bytes": staging},
     )
     vllm_config = SimpleNamespace(
         kv_transfer_config=ktc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_index=0),
         model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny"),
         speculative_config=None,
         device_config=SimpleNamespace(device_type=device),
+        compilation_config=SimpleNamespace(static_forward_context={}),
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]
     )
     cfg = TurboWireConfig.from_extra_config(ktc.kv_connector_extra_config, environ={})
-    sched = TurboWireScheduler(vllm_config, kv_cache_config, cfg, "engine-P")
-    return sched
+    return vllm_config, kv_cache_config, cfg
+
+
+def make_scheduler(preset: str = "tq4", staging: str = "1MiB", device: str = "cuda",
+                   role: str = "kv_both", tp: int = 1) -> TurboWireScheduler:
+    return TurboWireScheduler(*_configs(preset, staging, device, role, tp), "engine-P")
 
 
 class FakeManager:
@@ -108,7 +113,7 @@ def test_chunked_prefill_encodes_each_block_once_and_partial_last(prefill):
     assert params["turbowire_wire_bytes"] == want
     assert params["turbowire_dense_bytes"] == 100 * 2 * (2 * 2 * 64 * 2)
     assert sched.pool.snapshot().leases == 1
-    assert sched.pool.release(["r1"]) == (["r1"], [])
+    assert sched.pool.release(["r1"]) == (["r1"], [], [])
     assert sched.pool.snapshot().used_slots == 0
 
 
@@ -384,8 +389,6 @@ def _finish_prefill(sched, mgr, rid: str, n: int = 64) -> dict:
 
 
 def test_prefill_issues_a_lease_token_the_decode_side_presents(prefill):
-    from turbowire.connector.params import lease_token_of
-
     sched, mgr = prefill
     params = _finish_prefill(sched, mgr, "victim")
     token = params["turbowire_lease_token"]
@@ -395,11 +398,14 @@ def test_prefill_issues_a_lease_token_the_decode_side_presents(prefill):
     decode = make_scheduler()
     req = request("d-victim", 64, params)
     decode.on_new_request(req)
-    assert lease_token_of(decode._heartbeats["d-victim"].remote_request_id) == token
+    target = decode._heartbeats["d-victim"]
+    assert target.remote_request_id == "victim" and target.lease_token == token
+    assert token not in repr(target)
     assert decode.get_num_new_matched_tokens(req, 0) == (64, True)
     decode.update_state_after_alloc(req, _blocks([1, 2], 0), 64)
     (load,) = step(decode, {}).loads
-    assert load.remote_request_id == "victim" and lease_token_of(load.remote_request_id) == token
+    assert load.remote_request_id == "victim" and type(load.remote_request_id) is str
+    assert load.lease_token == token and token not in repr(load)
     assert all(b.tag == block_tag("victim", b.index) for b in load.blocks)  # tags: the plain id
     decode.shutdown()
 
@@ -410,7 +416,6 @@ def test_forged_params_naming_a_live_request_do_not_release_it(prefill, forged_t
     remote_request_id: before, the decode engine refused the load (prompt_mismatch) and released
     the victim's lease, so the victim recomputed. Now the release carries the forged params'
     token, which is not the victim's: the prefill engine keeps the lease and counts the refusal."""
-    from turbowire.connector.params import lease_token_of
     from turbowire.connector.scheduler import _GaugedLeases
 
     sched, mgr = prefill
@@ -426,20 +431,23 @@ def test_forged_params_naming_a_live_request_do_not_release_it(prefill, forged_t
     decode.on_new_request(attacker)
     assert decode.get_num_new_matched_tokens(attacker, 0) == (0, False)
     decode.update_state_after_alloc(attacker, _blocks([1, 2], 0), 0)
-    for load in step(decode, {}).loads:  # what the decode worker sends over the side channel
-        ref = load.remote_request_id
-        assert _GaugedLeases(sched).release([str(ref)], 0, [lease_token_of(ref)]) == (
-            [], ["victim"])
-        assert _GaugedLeases(sched).heartbeat([str(ref)], [lease_token_of(ref)]) == (
-            [], ["victim"])
+    loads = step(decode, {}).loads
+    if forged_token is None:
+        assert loads == []  # format 2 params without a token are refused before any call
+    for load in loads:
+        # what the decode worker sends over the side channel: refused (held, not the caller's)
+        rid, token = load.remote_request_id, load.lease_token
+        assert rid == "victim" and token == forged["turbowire_lease_token"]
+        assert _GaugedLeases(sched).release([rid], 0, [token]) == ([], ["victim"], ["victim"])
+        assert _GaugedLeases(sched).heartbeat([rid], [token]) == ([], ["victim"], ["victim"])
     assert sched.pool.has_lease("victim")  # the victim still gets its KV
-    counters = sched.get_stats()
-    if forged_token is not None:
-        assert sum(v for k, v in counters.data["counters"].items()
-                   if k.startswith("failures|reason=bad_params")) == 1
+    failures = _failure_counts(sched)
+    # a wrong token is counted once per lease by the reason the decode side reports it with
+    assert failures == ({"failures|reason=lease_refused": 1} if forged_token is not None
+                        else {})
     # the real holder releases it
     assert _GaugedLeases(sched).release(["victim"], 0, [victim["turbowire_lease_token"]]) == (
-        ["victim"], [])
+        ["victim"], [], [])
     decode.shutdown()
 
 
@@ -450,7 +458,7 @@ def test_a_release_without_token_is_counted_as_an_older_peer(prefill):
     _finish_prefill(sched, mgr, "r1")
     sched.get_stats()
     for _ in range(3):  # an old decode engine heartbeats repeatedly: counted once
-        assert _GaugedLeases(sched).heartbeat(["r1"], [""]) == ([], ["r1"])
+        assert _GaugedLeases(sched).heartbeat(["r1"], [""]) == ([], ["r1"], ["r1"])
     counters = sched.get_stats().data["counters"]
     assert {k: v for k, v in counters.items() if k.startswith("failures|")} == {
         "failures|reason=incompatible": 1}
@@ -460,8 +468,6 @@ def test_a_release_without_token_is_counted_as_an_older_peer(prefill):
 def test_params_of_an_older_prefill_engine_are_refused_as_incompatible():
     """Format 1 params (no lease token): declined naming the version, counted incompatible, and
     the release still goes out (an old prefill engine frees the lease without a token)."""
-    from turbowire.connector.params import lease_token_of
-
     sched = make_scheduler()
     old = _remote_params(100, turbowire_format_version=1)
     old.pop("turbowire_lease_token")
@@ -470,7 +476,7 @@ def test_params_of_an_older_prefill_engine_are_refused_as_incompatible():
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     sched.update_state_after_alloc(req, _blocks([1, 2, 3, 4], 0), 0)
     (load,) = step(sched, {}).loads
-    assert load.release_only and lease_token_of(load.remote_request_id) == ""
+    assert load.release_only and load.remote_request_id == "p-req" and load.lease_token == ""
     counters = sched.get_stats().data["counters"]
     assert {k: v for k, v in counters.items() if k.startswith("failures|")} == {
         "failures|reason=incompatible": 1}
@@ -478,7 +484,7 @@ def test_params_of_an_older_prefill_engine_are_refused_as_incompatible():
 
 
 # ---- staging gauges on an idle engine (issue 17): exported true after the last request
-def _exporter():
+def _exporter(kv_role: str = "kv_both"):
     """vLLM's frontend side: TurboWirePromMetrics on a private registry."""
     import functools
 
@@ -491,7 +497,7 @@ def _exporter():
              Counter: functools.partial(Counter, registry=reg),
              Histogram: functools.partial(Histogram, registry=reg)}
     cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(
-        kv_connector="TurboWireConnector", kv_role="kv_both"))
+        kv_connector="TurboWireConnector", kv_role=kv_role))
     return reg, build_prom_metrics(cfg, types, ["model_name", "engine"], {0: ["tiny", "0"]})
 
 
@@ -588,7 +594,7 @@ def test_gauges_follow_a_release_made_on_a_side_channel_thread_after_the_last_st
         ["r1"], 0, [params["turbowire_lease_token"]])))
     t.start()
     t.join()
-    assert done == [(["r1"], [])]
+    assert done == [(["r1"], [], [])]
     _engine_idles(sched, prom)
     assert _exported(reg) == {"turbowire_staging_in_use_bytes": 0.0,
                               "turbowire_leases_outstanding": 0.0}
@@ -615,3 +621,76 @@ def test_the_connector_facade_forwards_has_pending_push_work():
     assert facade.has_pending_push_work() is True
     facade.connector_scheduler = None
     assert facade.has_pending_push_work() is False
+
+
+# ---- staging_capacity_bytes: one owner (the scheduler), whatever order vLLM merges the stats in
+class _NoTransport:
+    name = "fake"
+    agent_name = "fake-agent"
+
+    def register(self, tensor) -> None:
+        pass
+
+    def local_metadata(self) -> bytes:
+        return b"md"
+
+    def close(self) -> None:
+        pass
+
+
+def _registered_worker(monkeypatch, role: str, tp: int):
+    """A worker of one TP rank after vLLM's register_kv_caches (CPU caches, no NIXL)."""
+    from turbowire.connector import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "make_transport", lambda config, name: _NoTransport())
+    w = worker_mod.TurboWireWorker(*_configs(device="cpu", role=role, tp=tp), "engine-P")
+    w.register_kv_caches({n: torch.zeros((2, 64, BS, 2, 64), dtype=torch.bfloat16)
+                          for n in LAYERS})
+    return w
+
+
+@pytest.mark.parametrize("role,tp", [("kv_producer", 1), ("kv_consumer", 1), ("kv_both", 1),
+                                     ("kv_producer", 2)])
+@pytest.mark.parametrize("scheduler_last", [True, False])
+def test_staging_capacity_is_the_pool_the_workers_allocated(monkeypatch, role, tp,
+                                                             scheduler_last):
+    """One engine step as vLLM assembles it: the TP workers' stats aggregated, then (vLLM's
+    Scheduler.update_from_output) aggregated with the scheduler's, then exported by the frontend.
+    Both sides used to set staging_capacity_bytes on the same series (worker label 0), so the
+    last one merged won: a kv_consumer, which allocates no staging pool, exported the
+    scheduler's pool size; and with TP 2 the two ranks' pools counted once. Now the scheduler
+    alone sets it (the workers set no staging gauge), in either merge order, to the bytes the
+    workers really allocated."""
+    from turbowire.connector.stats import iter_gauges
+
+    sched = make_scheduler(role=role, tp=tp)
+    workers = [_registered_worker(monkeypatch, role, tp) for _ in range(tp)]
+    allocated = sum(w.staging.numel() for w in workers if w.staging is not None)
+    assert allocated == (tp * sched.layout.pool_bytes if role != "kv_consumer" else 0)
+    worker_stats = [st for st in (w.get_stats() for w in workers) if st is not None]
+    worker_gauges = [g for st in worker_stats for g in iter_gauges(st.data)]
+    merged = sched.get_stats()
+    for st in worker_stats:
+        merged = st.aggregate(merged) if scheduler_last else merged.aggregate(st)
+    reg, prom = _exporter(role)
+    prom.observe(merged.to_dict(), 0)
+    labels = {"model_name": "tiny", "engine": "0", "role": role.removeprefix("kv_")}
+    assert reg.get_sample_value("turbowire_staging_capacity_bytes", labels) == allocated
+    assert reg.get_sample_value("turbowire_staging_in_use_bytes", labels) == 0
+    assert worker_gauges == []  # one owner: the scheduler
+    for w in workers:
+        w.shutdown()
+    sched.shutdown()
+
+
+def test_staging_in_use_counts_every_tp_worker_pool():
+    """Each TP rank stages its heads of a request into the same slot of its own pool: the bytes
+    in use are the slots times the slot size times the ranks, like the capacity."""
+    sched = make_scheduler(role="kv_producer", tp=2)
+    mgr = FakeManager()
+    sched.bind_kv_cache_manager(mgr)
+    _finish_prefill(sched, mgr, "r1", n=64)
+    gauges = sched.get_stats().gauge_totals()
+    assert gauges["staging_bytes_in_use"] == 2 * 2 * sched.layout.slot_bytes
+    assert gauges["staging_capacity_bytes"] == 2 * sched.layout.pool_bytes
+    sched.shutdown()

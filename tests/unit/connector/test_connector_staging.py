@@ -25,13 +25,13 @@ def test_reserve_lease_release_cycle():
     lease = pool.lease("a", wire_bytes=123)
     assert lease.slots == [0, 1, 2, 3, 4]
     assert pool.snapshot().used_slots == 8 and pool.snapshot().leases == 1
-    released, unknown = pool.release(["a", "zzz"])
-    assert released == ["a"] and unknown == ["zzz"]
+    released, unknown, refused = pool.release(["a", "zzz"])
+    assert released == ["a"] and unknown == ["zzz"] and refused == []
     assert pool.snapshot().used_slots == 3
     # freed slots are reused lowest-first
     assert pool.reserve("c", 2) == [0, 1]
     # a second release of the same lease is a no-op reported as unknown
-    assert pool.release(["a"]) == ([], ["a"])
+    assert pool.release(["a"]) == ([], ["a"], [])
 
 
 def test_all_or_nothing_and_drop():
@@ -52,7 +52,7 @@ def test_heartbeat_extends_and_expiry_frees():
     pool.lease("a")
     pool.lease("b")
     clock.now += 8
-    assert pool.heartbeat(["a", "x"]) == (["a"], ["x"])
+    assert pool.heartbeat(["a", "x"]) == (["a"], ["x"], [])
     clock.now += 5  # b expired (13 s > 10 s), a extended to 118
     expired = pool.reap()
     assert [lease.request_id for lease in expired] == ["b"]
@@ -60,7 +60,7 @@ def test_heartbeat_extends_and_expiry_frees():
     clock.now += 6
     assert [lease.request_id for lease in pool.reap()] == ["a"]
     assert pool.snapshot().used_slots == 0
-    assert pool.release(["a"]) == ([], ["a"])
+    assert pool.release(["a"]) == ([], ["a"], [])
 
 
 def test_concurrent_release_and_reserve_keep_slots_consistent():
@@ -95,7 +95,7 @@ def test_lease_with_two_consumers_frees_after_both_released():
     pool = StagingPool(num_slots=4, lease_seconds=10)
     pool.reserve("a", 2)
     pool.lease("a", consumers=2)
-    assert pool.release(["a"], consumer=0) == (["a"], [])
+    assert pool.release(["a"], consumer=0) == (["a"], [], [])
     assert pool.snapshot().used_slots == 2  # rank 1 still reading
     pool.release(["a"], consumer=0)  # a repeated release by the same rank changes nothing
     assert pool.snapshot().used_slots == 2
@@ -142,7 +142,7 @@ def test_a_heartbeated_lease_does_not_strand_expired_ones_behind_it():
         expiries[rid] = clock.now + 10
         for _ in range(3):
             clock.now += 1
-            assert pool.heartbeat(["kept"]) == (["kept"], [])
+            assert pool.heartbeat(["kept"]) == (["kept"], [], [])
             for lease in pool.reap():
                 assert lease.request_id != "kept", "a heartbeated lease expired"
                 assert expiries.pop(lease.request_id) <= clock.now
@@ -163,7 +163,9 @@ def test_a_heartbeat_never_shortens_a_lease_and_cannot_revive_a_reaped_one():
     assert lease.expires_at == first
     clock.now += 5 + 10
     assert [x.request_id for x in pool.reap()] == ["a"]
-    assert pool.heartbeat(["a"]) == ([], ["a"])  # the decode engine learns it is gone
+    # the decode engine learns it is gone: unknown, not refused (it expired)
+    assert pool.heartbeat(["a"], [lease.token]) == ([], ["a"], [])
+    assert pool.heartbeat(["a"]) == ([], ["a"], [])
     assert pool.snapshot().used_slots == 0
 
 
@@ -193,36 +195,82 @@ def test_every_lease_gets_its_own_unguessable_token():
 
 def test_release_and_heartbeat_without_the_token_touch_nothing():
     """The victim's lease survives a release (and a heartbeat) that names its request id with
-    no token or a wrong one: the caller hears "unknown", the refusal is reported once."""
+    no token or a wrong one: the caller hears "unknown" and "refused" (every time: the decode
+    engine reports it, not an expiry), the refusal is counted once."""
     clock = FakeClock()
     refused: list[tuple[list[str], list[str]]] = []
     pool = StagingPool(num_slots=8, lease_seconds=10, clock=clock,
                        on_refused=lambda missing, wrong: refused.append((missing, wrong)))
     victim = _leased(pool, "victim")
     wrong = "0" * 32 if victim.token != "0" * 32 else "1" * 32
-    assert pool.release(["victim"], 0, [""]) == ([], ["victim"])
-    assert pool.release(["victim"], 0, [wrong]) == ([], ["victim"])
-    assert pool.heartbeat(["victim"], [wrong]) == ([], ["victim"])
-    assert pool.release(["victim"], 0, []) == ([], ["victim"])  # fewer tokens than ids
+    refusal = ([], ["victim"], ["victim"])
+    assert pool.release(["victim"], 0, [""]) == refusal
+    assert pool.release(["victim"], 0, [wrong]) == refusal
+    assert pool.heartbeat(["victim"], [wrong]) == refusal
+    assert pool.release(["victim"], 0, []) == refusal  # fewer tokens than ids
     assert pool.has_lease("victim") and pool.snapshot().used_slots == 2
     assert refused == [(["victim"], [])]  # the lease's first refusal only
     expires = pool._leases["victim"].expires_at
     clock.now += 5
-    assert pool.heartbeat(["victim"], [wrong]) == ([], ["victim"])
+    assert pool.heartbeat(["victim"], [wrong]) == refusal
     assert pool._leases["victim"].expires_at == expires  # not extended
     # the holder of the params still can
-    assert pool.heartbeat(["victim"], [victim.token]) == (["victim"], [])
-    assert pool.release(["victim"], 0, [victim.token]) == (["victim"], [])
+    assert pool.heartbeat(["victim"], [victim.token]) == (["victim"], [], [])
+    assert pool.release(["victim"], 0, [victim.token]) == (["victim"], [], [])
     assert pool.snapshot().used_slots == 0
+    # gone now: unknown to anyone, refused to no one (an expiry or a repeat, not a refusal)
+    assert pool.heartbeat(["victim"], [wrong]) == ([], ["victim"], [])
+    assert pool.release(["victim"], 0, [victim.token]) == ([], ["victim"], [])
 
 
 def test_tokens_are_checked_per_id_and_per_rank():
     pool = StagingPool(num_slots=8, lease_seconds=10)
     a = _leased(pool, "a", consumers=2)
     b = _leased(pool, "b")
-    done, unknown = pool.release(["a", "b"], 0, [a.token, a.token])  # b presents a's token
-    assert done == ["a"] and unknown == ["b"]
-    assert pool.release(["a"], 1, ["f" * 32]) == ([], ["a"])  # rank 1, wrong token: still held
+    done, unknown, refused = pool.release(["a", "b"], 0, [a.token, a.token])  # b: a's token
+    assert done == ["a"] and unknown == ["b"] and refused == ["b"]
+    assert pool.release(["a"], 1, ["f" * 32]) == ([], ["a"], ["a"])  # rank 1, wrong token: held
     assert pool.has_lease("a")
     assert pool.release(["a", "b"], 1, [a.token, b.token])[0] == ["a"]  # b: rank 1 not a reader
     assert not pool.has_lease("a") and pool.has_lease("b")
+
+
+def test_the_side_channel_tells_a_refused_claim_from_an_expired_lease():
+    """Client -> servicer -> pool, without a network: the token goes as an explicit field, and
+    the reply lists a held lease named with a wrong (or no) token as ``refused`` (and, for older
+    decode engines, ``unknown``), a lease that is gone only as ``unknown``."""
+    from types import SimpleNamespace
+
+    from turbowire.connector.sidechannel.client import SideChannelClient
+    from turbowire.connector.sidechannel.server import _Servicer
+
+    pool = StagingPool(num_slots=8, lease_seconds=10)
+    held, gone = _leased(pool, "held"), _leased(pool, "gone")
+    servicer = _Servicer(SimpleNamespace(leases=pool))
+    sent: list[tuple[list[str], list[str]]] = []
+
+    def call(method):
+        def rpc(request, timeout, metadata):
+            sent.append((list(request.request_ids), list(request.lease_tokens)))
+            return method(request, SimpleNamespace(abort=lambda code, msg: pytest.fail(msg)))
+        return rpc
+
+    client = SideChannelClient("127.0.0.1", 1, None, timeout=1)
+    client._stub = SimpleNamespace(Heartbeat=call(servicer.Heartbeat),
+                                   ReleaseLease=call(servicer.ReleaseLease))
+    try:
+        assert pool.release(["gone"]) == (["gone"], [], [])  # released: gone for good
+        wrong = "f" * 32 if held.token != "f" * 32 else "e" * 32
+        reply = client.heartbeat(["held", "gone"], "D", lease_tokens=[wrong, gone.token])
+        assert sent[-1] == (["held", "gone"], [wrong, gone.token])  # explicit, in order
+        assert list(reply.done) == [] and list(reply.unknown) == ["held", "gone"]
+        assert list(reply.refused) == ["held"]
+        reply = client.release(["held"], "D", 0, lease_tokens=[""])  # no token: refused too
+        assert sent[-1] == (["held"], []) and list(reply.refused) == ["held"]
+        reply = client.heartbeat(["held"], "D", lease_tokens=[held.token])
+        assert list(reply.done) == ["held"] and not reply.unknown and not reply.refused
+        assert client.release(["held"], "D", 0, lease_tokens=[held.token]).done == ["held"]
+        with pytest.raises(ValueError, match="1 lease tokens for 2 request ids"):
+            client.heartbeat(["a", "b"], "D", lease_tokens=["x"])
+    finally:
+        client.close()

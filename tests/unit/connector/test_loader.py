@@ -60,11 +60,17 @@ class FakeTransport:
 
 
 class FakeClient:
+    """A prefill engine's side channel: leases in ``expired`` are gone, those in ``refused`` are
+    held but named with a token that is not theirs (the real pool answers both ``unknown``, the
+    refused ones ``refused`` too)."""
+
     def __init__(self, layout: StagingLayout, record) -> None:
         self.layout, self.record = layout, record
         self.expired: set[str] = set()
+        self.refused: set[str] = set()
         self.released: list[str] = []
         self.calls: list[str] = []
+        self.tokens: list[tuple[str, list[str] | None]] = []  # (call, lease_tokens presented)
 
     def handshake(self, record, engine_id, tp_rank):
         self.calls.append("handshake")
@@ -72,14 +78,22 @@ class FakeClient:
                               self.layout.num_slots, tuple(self.layout.layer_offsets), 0, "DRAM")
         return PeerInfo(PEER.engine_id, self.record, staging, 30.0)
 
-    def heartbeat(self, ids, engine_id=""):
-        self.calls.append("heartbeat")
-        return SimpleNamespace(unknown=[i for i in ids if i in self.expired])
+    def _reply(self, ids):
+        refused = [i for i in ids if i in self.refused]
+        return SimpleNamespace(done=[i for i in ids if i not in self.expired | self.refused],
+                               unknown=[i for i in ids if i in self.expired] + refused,
+                               refused=refused)
 
-    def release(self, ids, engine_id="", tp_rank=0):
+    def heartbeat(self, ids, engine_id="", lease_tokens=None):
+        self.calls.append("heartbeat")
+        self.tokens.append(("heartbeat", lease_tokens))
+        return self._reply(ids)
+
+    def release(self, ids, engine_id="", tp_rank=0, lease_tokens=None):
         self.calls.append("release")
+        self.tokens.append(("release", lease_tokens))
         self.released.extend(ids)
-        return SimpleNamespace(unknown=[])
+        return self._reply(ids)
 
 
 class InlineExecutor:
@@ -135,11 +149,14 @@ def rig(decode_error: BaseException | None = None, recv_bytes: int = 1 << 20, **
     return Rig(loader, transport, client, ranges, decoded, stats)
 
 
+LEASE_TOKEN = "5e" * 16
+
+
 def request(rid: str = "r1", blocks: int = 3) -> LoadRequest:
     return LoadRequest(
         rid, "remote-" + rid, PEER,
         [LoadBlock(i, 10 + i, BS if i < blocks - 1 else 5, i, 100 + i) for i in range(blocks)],
-        "raw", [10 + i for i in range(blocks)],
+        "raw", [10 + i for i in range(blocks)], lease_token=LEASE_TOKEN,
     )
 
 
@@ -185,7 +202,14 @@ def test_no_more_than_two_reads_are_on_the_wire():
     assert len(r.transport.reads) == 2 and len(pending) == 2 and not r.decoded
 
 
-def test_nothing_is_decoded_when_the_lease_is_gone():
+def test_the_claim_and_the_release_present_the_lease_token_of_the_load():
+    r = rig()
+    r.loader.start([request()])
+    assert drive(r) == ({"r1"}, set())
+    assert r.client.tokens == [("heartbeat", [LEASE_TOKEN]), ("release", [LEASE_TOKEN])]
+
+
+def test_nothing_is_decoded_when_the_lease_is_gone(caplog):
     r = rig()
     r.client.expired.add("remote-r1")
     r.loader.start([request()])
@@ -194,6 +218,24 @@ def test_nothing_is_decoded_when_the_lease_is_gone():
     assert not r.decoded
     assert r.failures() == {"lease_expired": 1}
     assert r.loader.take_reports()["r1"].failed == "lease_expired"
+    assert "raise lease_seconds" in caplog.text  # an expiry: a longer lease is the fix
+
+
+def test_a_refused_claim_is_lease_refused_not_an_expiry(caplog):
+    """The prefill engine holds the lease but the claim named it with a token that is not its
+    (altered params, or params naming another request's lease): nothing is decoded, and the
+    failure says so, without the lease_seconds hint of an expiry and without the token."""
+    r = rig()
+    r.client.refused.add("remote-r1")
+    r.loader.start([request()])
+    finished, failed = drive(r)
+    assert failed == {"r1"} and finished == {"r1"}
+    assert not r.decoded
+    assert r.failures() == {"lease_refused": 1}
+    assert r.loader.take_reports()["r1"].failed == "lease_refused"
+    assert "turbowire_lease_token" in caplog.text and "another request" in caplog.text
+    assert "raise lease_seconds" not in caplog.text
+    assert LEASE_TOKEN not in caplog.text and LEASE_TOKEN not in repr(request())
 
 
 def test_a_failed_group_fails_the_load_and_later_groups_are_not_decoded():
@@ -431,7 +473,7 @@ def test_a_failed_load_whose_release_cannot_get_through_is_counted_once():
 
     r = rig()
 
-    def release(ids, engine_id="", tp_rank=0):
+    def release(ids, engine_id="", tp_rank=0, lease_tokens=None):
         raise PeerUnreachableError("side channel 127.0.0.1:5700 unreachable")
 
     r.client.release = release
@@ -448,7 +490,7 @@ def test_a_successful_load_whose_release_cannot_get_through_is_counted():
 
     r = rig()
 
-    def release(ids, engine_id="", tp_rank=0):
+    def release(ids, engine_id="", tp_rank=0, lease_tokens=None):
         raise PeerUnreachableError("side channel 127.0.0.1:5700 unreachable")
 
     r.client.release = release
