@@ -10,7 +10,8 @@ side-channel clients; everything between vLLM's calls and the kernels is the rea
    reference codec on the same GPU) for the presets, then the connector path itself: a small
    model's chunks staged by ``save_kv_layer`` (per-layer and batched launches) byte-equal to the
    reference codec's, decoded by the loader through ``_decode_group`` equal (bitwise) to the
-   reference decode, a corrupt chunk refused with nothing of its group written.
+   reference decode, a corrupt chunk refused (its load failed) with nothing of that chunk
+   written and the other chunks of its group equal to the reference decode.
 2. Prefill: Llama-3.1-8B layer shapes (32 layers, hidden 4096, intermediate 14336, 32 q heads,
    8 KV heads x hd128, block size 16, vLLM's GPU cache layout [2, blocks, 16, 8, 128] per layer,
    block ids shuffled), a stand-in forward of bf16 matmuls (qkv, o, gate_up, down) with the
@@ -25,10 +26,14 @@ side-channel clients; everything between vLLM's calls and the kernels is the rea
    timeline of one step per variant (encode time, the part of it beside forward kernels).
 3. Decode: the same request loaded by a decode worker (its ``KVLoader``; the bytes already in
    the receive buffer, the READs held until all of them land at one instant) from the landing
-   to ``get_finished`` reporting it, per request, vs the one-launch decode (verify + decode of
-   every chunk) of the same bytes; also with the decode's CUDA graph off, and with READs that
-   are done when posted (``start_load_kv`` to finished, the plan build included). Every load's
-   result is compared with the one-launch decode, a few chunks with the reference codec.
+   to ``get_finished`` reporting it, per request, vs the one-launch decode (the fused verify +
+   decode of every chunk: one launch per layer policy) of the same bytes; also with each
+   group's captured launch replayed as it is handed over (``eager_groups``), with the decode's
+   CUDA graphs off, and with READs that are done when posted (``start_load_kv`` to
+   finished, the plan build and graph captures included). Every load's result is compared with
+   the one-launch decode, a few chunks with the reference codec. ``--decode-variants`` also
+   times the one-launch decode in other launch shapes (programs per chunk, warps), each
+   checked against the default's result.
 
 At 4k and 32k tokens, presets tq4 and k4v3, with the connector's launch shape for 16-token
 chunks (``gpu_path.default_kernel_config``; ``--sweep`` times the shapes of CONFIGS first and
@@ -312,11 +317,11 @@ class FakeClient:
         return SimpleNamespace(engine_id="prefill", record=p.record, staging=staging,
                                lease_seconds=30.0)
 
-    def heartbeat(self, ids: list[str], engine_id: str = ""):
-        return SimpleNamespace(unknown=[])
+    def heartbeat(self, ids: list[str], engine_id: str = "", **kw: Any):
+        return SimpleNamespace(unknown=[], refused=[])  # kw: lease_tokens
 
-    def release(self, ids: list[str], engine_id: str = "", tp_rank: int = 0):
-        return SimpleNamespace(unknown=[])
+    def release(self, ids: list[str], engine_id: str = "", tp_rank: int = 0, **kw: Any):
+        return SimpleNamespace(unknown=[], refused=[])
 
 
 class InlineExecutor:
@@ -467,7 +472,10 @@ def connector_check(preset: str, log) -> dict[str, Any]:
                     impl="reference")
     out["load_finished"] = fin == {"da"} and not failed
     out["decode_bitexact"] = all(torch.equal(dst[n], ref_dst[n]) for n in names)
-    # corrupt a body byte of the last layer: its group (layers 2, 3) fails, nothing written
+    # corrupt a body byte of the last layer's block 1, in a group of several chunks (layers 2,
+    # 3 x every block): the load fails (the whole request: vLLM recomputes its blocks), nothing
+    # of that chunk is written, the group's other chunks are, as the reference decodes them
+    # (each program verifies the chunk it decodes); other groups: decoded or untouched
     at = offsets[(1, layers - 1)][0] + 100
     d.recv[at] ^= 0x40
     for n in names:
@@ -477,11 +485,20 @@ def connector_check(preset: str, log) -> dict[str, Any]:
     report = d.take_reports().reports.get("db")
     out["corruption_refused"] = (failed == {"db"} and report is not None
                                  and report.failed == "checksum")
+    blk = save.blocks[1]
+    rows = (slice(None), dids[blk.index], slice(0, blk.num_tokens))
+    out["corrupt_chunk_untouched"] = bool((dst[names[-1]][rows].float() == 7.0).all())
     group_of_last = [g for g in _groups(layers, 2) if layers - 1 in g][0]
-    out["corrupt_group_untouched"] = all(bool((dst[names[i]].float() == 7.0).all())
-                                         for i in group_of_last)
+    want = {n: ref_dst[n].clone() for n in names}
+    want[names[-1]][rows] = 7.0
+    out["corrupt_group_others_equal_reference"] = all(
+        torch.equal(dst[names[i]], want[names[i]]) for i in group_of_last)
+    out["other_groups_reference_or_untouched"] = all(
+        bool(((dst[n] == ref_dst[n]) | (dst[n].float() == 7.0)).all()) for n in names)
     out["ok"] = bool(out["encode_bitexact"] and out["load_finished"] and out["decode_bitexact"]
-                     and out["corruption_refused"] and out["corrupt_group_untouched"])
+                     and out["corruption_refused"] and out["corrupt_chunk_untouched"]
+                     and out["corrupt_group_others_equal_reference"]
+                     and out["other_groups_reference_or_untouched"])
     log(f"[connector check] {preset}: {json.dumps(out)}")
     for w in (*stagings.values(), d):
         w.shutdown()
@@ -670,6 +687,13 @@ BEST: dict[str, tuple[str, str]] = {}  # preset -> (encode config, decode config
 SWEEP = False  # --sweep: time the launch shapes above (they compile; a minute per preset)
 TRACE = False  # --trace: a torch.profiler timeline of one step per save variant, summarised
 PROFILE_LOAD = False  # --profile-load: cProfile of one load's landed -> finished
+# --decode-variants: other launch shapes of the one-launch decode, timed at <= 8k tokens
+DECODE_VARIANTS: dict[str, dict[str, Any]] = {
+    "split2": dict(num_warps=2, tile_rows=16, decode_split=2),  # one program per stream
+    "w1-t16": dict(num_warps=1, tile_rows=16),
+    "w4": dict(num_warps=4),  # the kernels' default shape (32-row tiles)
+}
+VARIANTS: list[str] = []
 
 
 def gpu_path_default(block_size: int):
@@ -895,6 +919,15 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
             flushes.append((t0, time.perf_counter()))
 
     d.gpu._flush = timed_flush
+    replays: list[float] = []
+    real_replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(graph) -> None:
+        t0 = time.perf_counter()
+        real_replay(graph)
+        replays.append(time.perf_counter() - t0)
+
+    torch.cuda.CUDAGraph.replay = timed_replay
 
     def load_once(i: int, hold: bool) -> dict[str, float]:
         """hold: the READs are posted and stay on the "wire" until every one lands at once;
@@ -902,6 +935,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         lm = load_meta(f"d{i}", rid, save, d_ids, preset)
         sync()
         flushes.clear()
+        replays.clear()
         transport.hold = hold
         t0 = time.perf_counter()
         d.start_load_kv(lm)
@@ -924,6 +958,8 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
             out["to_first_launch"] = (flushes[0][0] - base) * 1e3
             out["launch_host"] = sum(b - a for a, b in flushes) * 1e3
             out["after_last_launch"] = (t3 - flushes[-1][1]) * 1e3
+        if replays:
+            out["replay_host"] = sum(replays) * 1e3
         return out
 
     for i in range(3):
@@ -945,6 +981,11 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["load_graph_replays"] = d.gpu.graph_replays - replays0
     r["decode_equal_graph_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
     now = [load_once(100 + i, False) for i in range(n_loads)]
+    d.gpu.eager_groups = True  # each group's graph replayed as it is handed over (pass 3)
+    poison(d_caches, ref_dst)
+    eager = [load_once(300 + i, True) for i in range(n_loads)]
+    r["decode_equal_eager_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+    d.gpu.eager_groups = False
     d.gpu.decode_graphs = False  # the same without the captured launch: Triton launches
     poison(d_caches, ref_dst)
     direct = [load_once(200 + i, True) for i in range(n_loads)]
@@ -971,6 +1012,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
         log("  cProfile of one landed -> finished (graphs on):\n" + buf.getvalue()[-3500:])
     d.gpu._flush = real_flush
+    torch.cuda.CUDAGraph.replay = real_replay
 
     def med(rows, key):
         vals = [x[key] for x in rows if key in x]
@@ -981,10 +1023,13 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["load_to_first_launch_ms"] = med(held, "to_first_launch")
     r["load_launch_host_ms"] = med(held, "launch_host")
     r["load_after_last_launch_ms"] = med(held, "after_last_launch")
-    r["load_launches"] = med(held, "launches")
+    r["load_launches"] = med(held, "launches")  # flushes: one per group replayed
+    r["load_replay_host_ms"] = med(held, "replay_host")  # inside the flushes: graph replays
     r["load_decode_groups_ms"] = med(held, "decode")
     r["load_all_at_once_ms"] = med(now, "total")  # READs done when posted: plan build included
     r["load_all_at_once_launches"] = med(now, "launches")
+    r["load_eager_groups_ms"] = med(eager, "landed")
+    r["load_eager_groups_launches"] = med(eager, "launches")
     r["load_no_graph_ms"] = med(direct, "landed")
     r["load_no_graph_launch_host_ms"] = med(direct, "launch_host")
     r["load_spread_ms"] = [min(x["landed"] for x in held), max(x["landed"] for x in held)]
@@ -998,7 +1043,8 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     d.loader._chunk_sizes(load_meta("x", rid, save, d_ids, preset).loads[0])
     r["host_ms_loader_chunk_sizes"] = (time.perf_counter() - t0) * 1e3
-    # the one-launch decode of the same bytes (verify + decode of every chunk, no readback)
+    # the one-launch decode of the same bytes (the fused verify + decode of every chunk, one
+    # launch per layer policy, no readback)
     dplan.launch()
     dplan.check()
     r["decode_one_launch_ms"] = bench_ms(dplan.launch)
@@ -1006,8 +1052,26 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     for _ in range(20):
         dplan.launch()
+    # (the name is kept from the two-launch decode: host time of one plan launch, all layers)
     r["host_us_decode_launch_pair"] = (time.perf_counter() - t0) / 20 * 1e6
     sync()
+    if VARIANTS and tokens <= 8192:  # other launch shapes of the one-launch decode
+        r["decode_variants"] = {}
+        for name in VARIANTS:
+            try:
+                vplan = dplan_for(KernelConfig(**DECODE_VARIANTS[name]))
+                poison(d_caches, ref_dst)
+                vplan.launch()
+                vplan.check()
+                sync()
+                equal = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+                r["decode_variants"][name] = {"ms": bench_ms(vplan.launch), "equal": equal}
+            except Exception as exc:  # noqa: BLE001 - a shape that does not build is reported
+                r["decode_variants"][name] = {"error": repr(exc)[:300], "equal": False}
+            log(f"  decode variant {name}: {r['decode_variants'][name]}")
+        poison(d_caches, ref_dst)
+        dplan.launch()
+        sync()
     r["load_vs_one_launch"] = r["load_ms"] / r["decode_one_launch_ms"]
     r["load_all_at_once_vs_one_launch"] = r["load_all_at_once_ms"] / r["decode_one_launch_ms"]
     # decoded KV vs the prefill's source under the codec (the error of the preset)
@@ -1022,10 +1086,12 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         f"{r['legacy_pct']:+.2f}% | A/A {r['aa_pct']:+.2f}% | encode 1-launch "
         f"{r['encode_one_launch_ms']:.3f} ms ({r['encode_pct_of_forward']:.2f}%, {enc_name}) | "
         f"load landed->finished {r['load_ms']:.3f} ms (post {r['load_post_ms']:.3f}, to launch "
-        f"{r['load_to_first_launch_ms']:.3f}, launch {r['load_launch_host_ms']:.3f}, after "
+        f"{r['load_to_first_launch_ms']:.3f}, launch {r['load_launch_host_ms']:.3f} (replays "
+        f"{r['load_replay_host_ms'] or 0:.3f}), after "
         f"{r['load_after_last_launch_ms']:.3f}, {r['load_launches']} launches) vs 1-launch "
         f"{r['decode_one_launch_ms']:.3f} ms ({dec_name}) = {r['load_vs_one_launch']:.2f}x; "
-        f"all at once {r['load_all_at_once_ms']:.3f} ms; without graph {r['load_no_graph_ms']:.3f}"
+        f"all at once {r['load_all_at_once_ms']:.3f} ms; a replay per group as handed over "
+        f"{r['load_eager_groups_ms']:.3f} ms; without graph {r['load_no_graph_ms']:.3f}"
         f" ms (launch {r['load_no_graph_launch_host_ms']:.3f}), {r['load_graph_replays']} "
         f"replays | host "
         f"{r['host_us_per_save_kv_layer']:.0f} us/layer, step plan "
@@ -1296,15 +1362,21 @@ def main() -> int:
                     help="time the launch shapes of CONFIGS at 4k and use the fastest")
     ap.add_argument("--trace", action="store_true",
                     help="profile one step per save variant (torch.profiler) and summarise")
+    ap.add_argument("--decode-variants", default="",
+                    help="comma-separated names of DECODE_VARIANTS to time (<= 8k tokens)")
     ap.add_argument("--profile-load", action="store_true",
                     help="cProfile one load's landed -> finished")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after which no further case starts (0: none)")
     args = ap.parse_args()
-    global SWEEP, TRACE, PROFILE_LOAD, OUT_DIR
+    global SWEEP, TRACE, PROFILE_LOAD, OUT_DIR, VARIANTS
     SWEEP = args.sweep
     TRACE = args.trace
     PROFILE_LOAD = args.profile_load
+    VARIANTS = [v for v in args.decode_variants.split(",") if v]
+    for v in VARIANTS:
+        if v not in DECODE_VARIANTS:
+            ap.error(f"unknown decode variant {v!r} (one of {', '.join(DECODE_VARIANTS)})")
     OUT_DIR = args.out
     args.out.mkdir(parents=True, exist_ok=True)
     logf = open(args.out / "log.txt", "a")
@@ -1368,6 +1440,7 @@ def main() -> int:
         return bool(all(r.get("staging_equal_layer_batched_hiprio_legacy", [False]))
                     and r.get("decode_equal_reference_shape")
                     and r.get("decode_equal_graph_loads") and r.get("decode_equal_direct_loads")
+                    and r.get("decode_equal_eager_loads")
                     and spot.get("encode_equal_reference") and spot.get("decode_equal_reference"))
 
     cases = report["results"]

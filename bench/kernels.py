@@ -242,8 +242,10 @@ def run_check(case: CheckCase) -> dict[str, Any]:
             touched[dst_ids[t // BLOCK], t % BLOCK] = True
         out["guard_intact"] = (bool((k[~touched].float() == 7.0).all())
                                and bool((v[~touched].float() == 7.0).all()))
-        # a corrupted chunk is refused and nothing is written
-        tri[dec[1][1].in_offset + 200] ^= 0x40
+        # a corrupted chunk (layer 1, chunk 1) is refused and nothing of it is written; each
+        # program verifies the chunk it decodes, so the launch's valid chunks are decoded
+        bad = dec[1][1]
+        tri[bad.in_offset + 200] ^= 0x40
         _, dst_bad = make_caches(layers, case.heads, case.dim, nb, case.layout, dtype, DEVICE,
                                  fill=7.0)
         try:
@@ -254,9 +256,21 @@ def run_check(case: CheckCase) -> dict[str, Any]:
             out["corruption_refused"] = False
         except Exception as exc:  # noqa: BLE001 - the type is reported
             out["corruption_refused"] = type(exc).__name__
-        out["corruption_wrote_nothing"] = all(bool((c.float() == 7.0).all()) for c in dst_bad)
+        blocks, slots = layout.token_index(bad.block_ids, bad.token_start, bad.num_tokens,
+                                           torch.device(DEVICE))
+        kb, vb = layout.views(dst_bad[1])
+        out["corruption_wrote_nothing"] = (bool((kb[blocks, slots].float() == 7.0).all())
+                                           and bool((vb[blocks, slots].float() == 7.0).all()))
+        want = [c.clone() for c in dst_ref]  # the reference everywhere but the refused chunk
+        kw_, vw_ = layout.views(want[1])
+        kw_[blocks, slots] = kb[blocks, slots]
+        vw_[blocks, slots] = vb[blocks, slots]
+        out["corruption_others_decoded"] = all(
+            torch.equal(a.view(torch.uint8) if fp8 else a, b.view(torch.uint8) if fp8 else b)
+            for a, b in zip(want, dst_bad))
         out["ok"] = bool(out["encode_bitexact"] and out["decode_bitexact"] and out["guard_intact"]
-                         and out["corruption_refused"] and out["corruption_wrote_nothing"])
+                         and out["corruption_refused"] and out["corruption_wrote_nothing"]
+                         and out["corruption_others_decoded"])
     except Exception as exc:  # noqa: BLE001
         out["ok"] = False
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -389,7 +403,7 @@ def _time_preset(name, preset, layout, layers, heads, dim, caches, dst, layout_o
     r: dict[str, Any] = {"model": name + (" fp8 cache" if scales else ""), "layout": layout,
                          "preset": preset,
                          "dense_MB": dense / 1e6, "wire_MB": comp / 1e6, "ratio": dense / comp}
-    # registers / spill bytes per thread of each launch (encode; verify + decode)
+    # registers / spill bytes per thread of each launch (encode; decode, verification fused in)
     r["regs"] = [[getattr(k, "n_regs", None), getattr(k, "n_spills", None)]
                  for k in getattr(batched, "compiled", []) + getattr(dbatched, "compiled", [])]
     r["enc_batched_ms"] = bench_ms(batched.launch)
@@ -596,7 +610,7 @@ def main() -> int:
               f"correctness: {n_ok}/{len(checks)} configurations bit-exact"
               + (f", {len(abandoned)} abandoned at the deadline" if abandoned else ""), ""]
         fail_fields = ('encode_bitexact', 'decode_bitexact', 'guard_intact', 'corruption_refused',
-                       'corruption_wrote_nothing')
+                       'corruption_wrote_nothing', 'corruption_others_decoded')
         md += [f"- FAIL {r['case']}: {r.get('error') or {k: r.get(k) for k in fail_fields}}"
                for r in checks if not r.get("ok")]
         md += ["", table(results), "", "### head_dim 256 vs two 128 groups", "", table(hd)]

@@ -42,18 +42,33 @@ GPU work per layer. It stays outside the graphs.
 
 Load (decode). The decode plan of a load is built when its READs are posted (``prepare_load``,
 the loader's hook), while the bytes move, and, once the kernels have been launched directly
-once, its all-layers verify + decode is captured into a CUDA graph there too. Each landed group
-is queued (``decode_group`` returns a handle, ``loader.PendingDecode``); groups queued back to
-back are launched together when the loader first asks a handle whether it ran: one verify
-launch and one decode launch per layer policy for all of them (or one replay of the graph when
-they are all of the load's layers), nothing of a launch's layers written if one of its chunks
-fails verification (the decode kernel reads the verify flag on the device). The verdict comes
-back by a non-blocking copy into a pinned ring behind an event; the loader settles the handles
-whose event has completed and waits once, when every group of the load is decoded: one host
-synchronisation per load. H200, all groups landed at once: 0.77 ms per request at 4k vs 0.47 ms
-for the one-launch decode of the same bytes (1.64x; target 1.5x), 4.3-4.6 ms vs 3.6 ms at 32k
-(1.21-1.27x); the remaining ~0.3 ms at 4k is host time around the launch (the loader's pass over
-8 groups, the replay, the flag copy, the event wait's wake-up, the completion bookkeeping).
+once, the launch of each of the load's layer groups (one per READ, ``ChunkOffsets.groups``) and
+the launch of all its layers are captured into CUDA graphs there too. Verification is part of
+the decode launch: each decode program checks the chunk it owns (header, geometry, layer, token
+range, tag, body checksum: the reference decoder's checks, ``triton_codec._verify_chunk``)
+before it writes anything, and writes that chunk only if it passed. Each landed group is handed
+over (``decode_group`` returns a handle, ``loader.PendingDecode``); the groups handed over in
+one pass of the loader are launched together when it first asks a handle whether it ran: one
+replay of the graph of exactly those layers (a group that landed alone, or all of them), else
+the groups' graphs back to back, else one direct launch per layer policy. One launch for groups
+that landed together: replaying each group's graph as it is handed over (``eager_groups``)
+starts the GPU earlier but costs a drain tail per launch (H200, Llama-3.1-8B shapes, 4k tokens,
+all 8 groups landed at once, pass 3: 0.70 ms landed -> finished, vs 0.35 ms for the one-launch
+decode; 3.19 vs 2.66 ms at 32k). The verdict comes back by a non-blocking copy into a pinned
+ring behind an event; the loader settles the handles whose event has completed and waits once,
+when every group of the load is decoded: one host synchronisation per load.
+
+Refusals. A chunk that fails verification is never written into the cache; the load of its
+request fails as a whole (the loader reports it, vLLM recomputes the request's blocks). Valid
+chunks of the same launch, or of groups launched before the verdict came back, may have been
+written by then: harmless, because every slot a refused load writes is one its successful
+load would write, i.e. in the blocks vLLM allocated to this request for the loaded tokens
+(past its local prefix hits; the plan's block ids are the load's own block table,
+bounds-checked when the plan is built; a chunk writes only the slots of its own (block,
+layer), and no two chunks of a plan write the same slots). What a refused load leaves behind
+lies only in blocks vLLM recomputes for that same request, never in another request's.
+(Before the verify was fused in, nothing of a launch's layers was written if one of its chunks
+failed; that cost a second launch per layer range and a grid-wide dependency between them.)
 
 Used only where every cache is a CUDA cache the Triton kernels serve (``applies``); CPU engines
 keep the C codec path of ``worker.py``. Tests drive it on CPU (Triton's interpreter) with
@@ -129,6 +144,20 @@ class _SaveStep:
 
 
 @dataclass
+class _Captured:
+    """One layer group's launch captured into a CUDA graph (``_capture``), with what its replay
+    needs ready: the ranges (for the verdict), the device flags and the pinned slots they are
+    copied into, and the event recorded after the copies."""
+
+    graph: Any
+    ranges: list[tuple[Any, int, int]]  # (DecodeLayersPlan, lo, hi)
+    flags: list[torch.Tensor]
+    host: torch.Tensor
+    slots: list[torch.Tensor]  # host[j:j + 1] per flag
+    event: Any
+
+
+@dataclass
 class _LoadPlans:
     load: Any
     recv_offset: int
@@ -136,7 +165,9 @@ class _LoadPlans:
     left: set[int]  # layers not handed over by the loader yet
     queued: range | None = None  # layers handed over, not launched yet
     waiting: list[PendingGroup] = field(default_factory=list)  # their handles
-    graph: Any = None  # the captured launch of every layer (_capture), replayed at most once
+    # captured launches per layer group and of all layers (_capture), keyed (first, last + 1);
+    # at most one launch of each layer is ever replayed (_graphs_for)
+    graphs: dict[tuple[int, int], _Captured] = field(default_factory=dict)
 
 
 class GpuPaths:
@@ -157,6 +188,7 @@ class GpuPaths:
         timing: bool = True,
         defer_layers: int = DEFER_LAYERS,
         decode_graphs: bool = True,
+        eager_groups: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -187,11 +219,14 @@ class GpuPaths:
         self._pending: list[list[tuple[Any, Any]]] = []
         self._loads: OrderedDict[int, _LoadPlans] = OrderedDict()
         self.decode_graphs = decode_graphs
+        # True: replay a group's captured launch as soon as it is handed over (one launch per
+        # group even when they land together; pass 3's behaviour, see decode_group)
+        self.eager_groups = eager_groups
         self.graph_replays = 0
         self._warm: set[Any] = set()  # kernel keys launched directly (compiled)
         self._graph_stream: torch.cuda.Stream | None = None
         self._graph_pool: Any = None
-        self._last_graph: Any = None
+        self._last_graph: Any = None  # the last captured graphs (see _capture)
         self._flags_host: torch.Tensor | None = None
         self._flag_at = 0
 
@@ -398,10 +433,12 @@ class GpuPaths:
                      chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> None:
         """The loader's hook once a load's READs are posted: build and upload its decode plan
         while the bytes move (the validations raise here, failing the load before it lands),
-        and capture its all-layers launch (``_capture``)."""
+        and capture the launches of its layer groups and of all its layers at once
+        (``_capture``; the groups are the loader's READs, ``chunk_offsets.groups``)."""
         entry = self._entry(load, recv_offset, chunk_offsets)
-        if entry.graph is None and entry.queued is None and not entry.waiting:
-            self._capture(entry)
+        if not entry.graphs and entry.queued is None and not entry.waiting:
+            groups = getattr(chunk_offsets, "groups", None)
+            self._capture(entry, groups or [range(self.geometry.num_layers)])
 
     def _entry(self, load: LoadRequest, recv_offset: int,
                chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> _LoadPlans:
@@ -418,20 +455,32 @@ class GpuPaths:
                      chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> PendingGroup:
         """Queue the verify + decode of ``layers`` (one landed READ) into the cache; returns
         the loader's handle (``loader.PendingDecode``). Groups of one load queued back to back
-        are launched together (one verify and one decode launch per layer policy for all of
-        them) when a handle is first asked whether its decode ran; the launch's flags come back
-        through pinned memory behind an event: no host synchronisation unless ``result()``
-        must wait. Nothing of a launch's layers is written if one of its chunks fails."""
+        (the loader hands over every landed group in one pass) are launched together when a
+        handle of the load is first asked whether its decode ran (the end of the pass): the
+        captured launch of exactly those layers if there is one (one group, or all layers),
+        else the captured launches of their groups back to back, else one direct launch per
+        layer policy. One launch for the groups that landed together, not one per group: each
+        launch ends in a tail where the SMs drain (H200, 4k tokens, 8 groups replayed one by
+        one: 0.70 ms landed -> finished vs 0.35 ms for one launch). With ``eager_groups`` a
+        group's captured launch is replayed at once instead. The launch's flags come back
+        through pinned memory behind an event: no host synchronisation unless ``result()`` must
+        wait. A chunk that fails verification is never written; the valid chunks launched with
+        it are (they are the same load's blocks, which vLLM recomputes once the load is
+        reported failed)."""
         entry = self._entry(load, recv_offset, chunk_offsets)
-        if entry.queued is not None and entry.queued.stop != layers.start:
+        queued = entry.queued
+        if queued is not None and queued.stop != layers.start:
             self._flush(entry)
-        lo = layers.start if entry.queued is None else entry.queued.start
+            queued = None
+        lo = layers.start if queued is None else queued.start
         entry.queued = range(lo, layers.stop)
         handle = PendingGroup(self, entry, layers)
         entry.waiting.append(handle)
-        entry.left -= set(layers)
+        entry.left.difference_update(layers)
         if not entry.left:  # the plan lives on in the handles until they are settled
             self._loads.pop(id(load), None)
+        if self.eager_groups and entry.graphs and (lo, layers.stop) in entry.graphs:
+            self._flush(entry)  # the captured launch: replay it now
         return handle
 
     @staticmethod
@@ -445,45 +494,61 @@ class GpuPaths:
                 ranges.append((plan, pos[0], pos[-1] + 1))
         return ranges
 
-    def _capture(self, entry: _LoadPlans) -> None:
-        """Capture the verify + decode launches of all the load's layers into a CUDA graph
-        (at ``prepare_load``, while the bytes move), replayed by ``_flush`` if every group
-        lands before the first is launched: one replay instead of a Triton launch per kernel
-        (~35-75 us of host time each on the H200 machine). Only kernels this path launched
-        (compiled) before are captured; a failed capture turns graphs off."""
+    def _capture(self, entry: _LoadPlans, groups: Sequence[range]) -> None:
+        """Capture the verify + decode launch of each layer group, and of all layers when there
+        are several groups, into CUDA graphs (at ``prepare_load``, while the bytes move),
+        replayed by ``_flush``: one replay instead of a Triton launch per layer policy (~35-75
+        us of host time each on the H200 machine), with the flags' pinned slots and the event
+        made here. Only kernels this path launched (compiled) before are captured (a group with
+        others is launched directly); a failed capture turns graphs off."""
         if not (self.cuda and self.decode_graphs):
             return
-        ranges = self._ranges(entry, range(self.geometry.num_layers))
-        keys = set().union(*(plan.kernel_keys(lo, hi) for plan, lo, hi in ranges))
-        if not ranges or not keys <= self._warm:
+        todo = []
+        n_layers = self.geometry.num_layers
+        if len(groups) > 1:
+            groups = [*groups, range(n_layers)]
+        for layers in groups:
+            ranges = [r for r in self._ranges(entry, layers) if r[0].flag(r[1]) is not None]
+            keys = set().union(*(plan.kernel_keys(lo, hi) for plan, lo, hi in ranges))
+            if ranges and keys <= self._warm:
+                todo.append((layers, ranges))
+        if not todo:
             return
         if self._graph_stream is None:
             self._graph_stream = torch.cuda.Stream(self.device)
             self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+        captured = {}
         try:
-            with torch.cuda.stream(self._graph_stream):
-                graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
-                try:
-                    for plan, lo, hi in ranges:
-                        plan.launch(lo, hi)
-                finally:
-                    graph.capture_end()
+            for layers, ranges in todo:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(self._graph_stream):
+                    graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+                    try:
+                        for plan, lo, hi in ranges:
+                            plan.launch(lo, hi)
+                    finally:
+                        graph.capture_end()
+                    _upload(graph, self._graph_stream)
+                flags = [plan.flag(lo) for plan, lo, _ in ranges]
+                host = self._flag_slots(len(flags))
+                captured[(layers.start, layers.stop)] = _Captured(
+                    graph, ranges, flags, host, [host[j:j + 1] for j in range(len(flags))],
+                    torch.cuda.Event())
         except Exception as exc:  # noqa: BLE001 - direct launches serve as before
             logger.warning("turbowire: decode launches not captured into a CUDA graph (%s); "
                            "launching them directly from now on", exc)
             self.decode_graphs = False
             return
-        entry.graph = graph
+        entry.graphs = captured
         # a graph pool whose graphs are all gone trips the caching allocator's assert at the next
-        # capture (use_count > 0): the last graph is kept until the next one is captured
-        self._last_graph = graph
+        # capture (use_count > 0): the last graphs are kept until the next ones are captured
+        self._last_graph = [c.graph for c in captured.values()]
 
     def _flag_slots(self, k: int) -> torch.Tensor:
         """k int32 of a pinned ring the launches' flags are copied into (no allocation per
         launch; a slot is reused FLAG_SLOTS launches later, long after its load settled)."""
         if self._flags_host is None:
-            self._flags_host = torch.zeros(FLAG_SLOTS, dtype=torch.int32, pin_memory=True)
+            self._flags_host = torch.zeros(FLAG_SLOTS, dtype=torch.int32, pin_memory=self.cuda)
         if self._flag_at + k > FLAG_SLOTS:
             self._flag_at = 0
         out = self._flags_host[self._flag_at:self._flag_at + k]
@@ -491,51 +556,109 @@ class GpuPaths:
         return out
 
     def _flush(self, entry: _LoadPlans) -> None:
-        """Launch the entry's queued layers: verify, then decode, per family plan (or replay
-        the load's graph when they are all of its layers); copy each range's flag to pinned
-        memory and record an event after the copies."""
+        """Launch the entry's queued layers (replay their graph, or one launch per family plan
+        and layer policy); copy each range's flag to pinned memory and record an event after
+        the copies."""
         queued, waiting = entry.queued, entry.waiting
         entry.queued, entry.waiting = None, []
         if queued is None:
             return
-        ranges = self._ranges(entry, queued)
+        caps = self._graphs_for(entry, queued)
         try:
-            graph, entry.graph = entry.graph, None  # one replay at most
-            if graph is not None and len(queued) == self.geometry.num_layers:
-                graph.replay()
-                self.graph_replays += 1
+            if caps:
+                for cap in caps:
+                    cap.graph.replay()
+                    self.graph_replays += 1
+                    for slot, f in zip(cap.slots, cap.flags):
+                        slot.copy_(f, non_blocking=True)
+                event = caps[-1].event
+                event.record(torch.cuda.current_stream(self.device))
+                launch = _Launch([r for c in caps for r in c.ranges], [c.host for c in caps],
+                                 event)
             else:
+                ranges = self._ranges(entry, queued)
                 for plan, lo, hi in ranges:
                     plan.launch(lo, hi)
+                live = [(r, r[0].flag(r[1])) for r in ranges]
+                live = [(r, f) for r, f in live if f is not None]
+                event = None
                 if self.cuda:
                     for plan, lo, hi in ranges:
-                        if lo == 0:  # the alignments a captured (full) range has
-                            self._warm |= plan.kernel_keys(lo, hi)
-            flags = [plan.flag(lo) for plan, lo, _ in ranges]
-            live = [(r, f) for r, f in zip(ranges, flags) if f is not None]
-            event = None
-            if self.cuda and live:
-                host = self._flag_slots(len(live))
-                for j, (_, f) in enumerate(live):
-                    host[j:j + 1].copy_(f, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
-            else:  # CPU (tests, interpreter): the launches ran inline
-                host = torch.tensor([int(f) for _, f in live], dtype=torch.int32)
-            launch = _Launch([r for r, _ in live], host, event)
+                        self._warm |= plan.kernel_keys(lo, hi)
+                    host = self._flag_slots(len(live))
+                    for j, (_, f) in enumerate(live):
+                        host[j:j + 1].copy_(f, non_blocking=True)
+                    if live:
+                        event = torch.cuda.Event()
+                        event.record(torch.cuda.current_stream(self.device))
+                else:  # CPU (tests, interpreter): the launches ran inline
+                    host = torch.tensor([int(f) for _, f in live], dtype=torch.int32)
+                launch = _Launch([r for r, _ in live], [host], event)
         except BaseException as exc:
-            launch = _Launch([], torch.zeros(0, dtype=torch.int32), None, error=exc)
+            launch = _Launch([], [], None, error=exc)
         for handle in waiting:
             handle._launch = launch
         if launch.error is not None:
             raise launch.error
 
+    @staticmethod
+    def _graphs_for(entry: _LoadPlans, layers: range) -> list[_Captured]:
+        """The captured launches that decode exactly ``layers``: the one of that range, else
+        those of consecutive groups covering it; [] if there are none. Every captured launch
+        that covers any of these layers is dropped (none is ever replayed twice, or after its
+        layers were launched otherwise)."""
+        if not entry.graphs:
+            return []
+        caps: list[_Captured] = []
+        exact = entry.graphs.get((layers.start, layers.stop))
+        if exact is not None:
+            caps = [exact]
+        else:
+            inside = {a: (b, c) for (a, b), c in entry.graphs.items()
+                      if layers.start <= a and b <= layers.stop}
+            at = layers.start
+            while at in inside and at < layers.stop:
+                at, cap = inside[at]
+                caps.append(cap)
+            if at != layers.stop:
+                caps = []
+        for key in [k for k in entry.graphs if k[0] < layers.stop and layers.start < k[1]]:
+            del entry.graphs[key]
+        return caps
+
     def _abandon(self, entry: _LoadPlans, handle: PendingGroup) -> None:
-        """The load failed: nothing queued is launched any more."""
+        """The load failed: nothing queued is launched any more, no captured launch replayed."""
         if handle in entry.waiting:
             entry.queued, entry.waiting = None, []
-        entry.graph = None
-        self._loads.pop(id(entry.load), None)
+        entry.graphs = {}
+        if self._loads.get(id(entry.load)) is entry:
+            del self._loads[id(entry.load)]
+
+
+def _upload(graph: Any, stream: Any) -> None:
+    """Upload a captured graph's launch resources now (``cuGraphUpload``), not at its first
+    (and only) replay, where the load waits for it. Best effort: skipped where the driver or
+    this PyTorch does not offer it."""
+    global _GRAPH_UPLOAD
+    if _GRAPH_UPLOAD is False:
+        return
+    try:
+        if _GRAPH_UPLOAD is None:
+            import ctypes
+
+            fn = ctypes.CDLL("libcuda.so.1").cuGraphUpload
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _GRAPH_UPLOAD = fn
+        rc = _GRAPH_UPLOAD(graph.raw_cuda_graph_exec(), stream.cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"cuGraphUpload returned {rc}")
+    except Exception as exc:  # noqa: BLE001 - the first replay uploads then
+        logger.info("turbowire: decode graphs are uploaded at their replay (%s)", exc)
+        _GRAPH_UPLOAD = False
+
+
+_GRAPH_UPLOAD: Any = None
 
 
 @dataclass
@@ -544,7 +667,7 @@ class _Launch:
     the host (pinned memory, copied after the decode; ``event`` recorded after the copies)."""
 
     ranges: list[tuple[Any, int, int]]  # (DecodeLayersPlan, lo, hi)
-    flags: torch.Tensor
+    flags: list[torch.Tensor]  # host tensors, one value per range, in order
     event: Any
     error: BaseException | None = None
     checked: bool = False
@@ -561,7 +684,8 @@ class _Launch:
             self.event.synchronize()
         if self.checked:
             return
-        for (plan, lo, hi), flag in zip(self.ranges, self.flags.tolist()):
+        values = [v for host in self.flags for v in host.tolist()]
+        for (plan, lo, hi), flag in zip(self.ranges, values, strict=True):
             plan.check(lo, hi, flag)  # raises if flagged (reads the statuses back then)
         self.checked = True
 
@@ -576,26 +700,24 @@ class PendingGroup:
         self._launch: _Launch | None = None
 
     def _launched(self) -> _Launch:
-        if self._launch is None:
-            self._paths._flush(self._entry)
+        if self._entry.queued is not None:  # launch what the load has queued (this, or later
+            self._paths._flush(self._entry)  # groups: they must not wait for this one)
         assert self._launch is not None
         return self._launch
 
     def done(self) -> bool:
-        """Whether the group's decode has run (launches it, with the groups queued with it,
-        if it has not been launched yet); never waits."""
+        """Whether the group's decode has run (first launches what the load has queued: this
+        group with the groups queued with it, or later ones); never waits."""
         return self._launched().done()
 
     def result(self) -> None:
         """Wait for the group's decode; raise the reference's exception if one of the chunks
-        launched with it was refused (none of their layers was written then)."""
+        launched with it was refused (that chunk was not written; the valid ones were)."""
         self._launched().check()
 
     def abandon(self) -> None:
         """The load failed: launch nothing more for it, and wait for what was launched (it
         reads the receive range the loader is about to give back)."""
-        if self._launch is None:
-            self._paths._abandon(self._entry, self)
-            return
-        if self._launch.event is not None:
+        self._paths._abandon(self._entry, self)
+        if self._launch is not None and self._launch.event is not None:
             self._launch.event.synchronize()

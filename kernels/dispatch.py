@@ -114,8 +114,11 @@ def decode_into(
     kernel_config: Any = None,
     kv_scales: KVScales | tuple[float, float] | None = None,
 ) -> None:
-    """Verify and decode every item, then scatter them; nothing is written if any item fails.
+    """Verify and decode every item and scatter it; raises for the first item that fails.
 
+    A refused item is never written. The reference and C paths verify every item before they
+    write any (nothing is written if one fails); the Triton path verifies each chunk in the
+    program that decodes it, so the valid items of a call with a refused one are written.
     fp8 caches need the layer's ``kv_scales`` (see ``encode_into``)."""
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
@@ -199,11 +202,12 @@ def decode_layers_into(
     ``encode_layers_into``); fp8 caches need ``kv_scales``, one per job.
 
     The implementation is picked here from the first job's cache, as ``decode_into`` picks it:
-    Triton verifies every chunk of every job in one launch, then decodes with one launch per
-    distinct layer policy (``triton_dispatch.decode_layers_into``), and writes nothing if any
-    chunk fails. Everywhere else this is a loop over ``decode_into``, one job at a time: each
-    job is all-or-nothing, but a failing job leaves the jobs before it decoded. The exception
-    raised for a bad chunk is the same on both paths."""
+    Triton decodes every job with one launch per distinct layer policy, each program verifying
+    the chunk it decodes (``triton_dispatch.decode_layers_into``): a refused chunk is not
+    written, the valid chunks of every job are. Everywhere else this is a loop over
+    ``decode_into``, one job at a time: each job is all-or-nothing, but a failing job leaves the
+    jobs before it decoded. The exception raised for a bad chunk is the same on both paths, and
+    on neither is a refused chunk ever written."""
     scales = _per_job_scales(len(jobs), kv_scales)
     if not jobs:
         return

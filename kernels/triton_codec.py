@@ -1,14 +1,16 @@
-"""Triton kernels of the codec fused with vLLM's paged KV layouts (encode, verify, decode).
+"""Triton kernels of the codec fused with vLLM's paged KV layouts (encode, verify + decode).
 
-Every kernel program owns one (chunk, stream, KV head) and walks the chunk's tokens in tiles of
-``BT`` rows; each row (one token's vector of one head) lives in ``L`` neighbouring lanes (lane l
-holds coordinates l*C .. l*C+C-1, C = D/L), loaded straight from the paged cache through the
-block table. With C coordinates in registers the randomized Hadamard butterfly, the pairwise norm
-folds and the bit-plane packing are register-only work except the log2(L) top butterfly stages
-and folds across lanes (one exchange per value and stage). With L = D/8 (C = 8, one 16-byte
-piece per lane) rows are loaded and stored as ``[rows, D]`` tiles: a warp reads whole rows. The
-defaults (KernelConfig.lanes_for) use that for raw/fp8 launches and 4 lanes (32 at head_dim 256)
-where a rotation runs, the faster shapes measured on the H200 (bench/RESULTS.md).
+An encode program owns one (chunk, stream, KV head), a decode program one chunk (or one of its
+two streams, ``KernelConfig.decode_split``) whose heads it decodes one after another; either
+walks a (stream, head)'s tokens in tiles of ``BT`` rows; each row (one token's vector of one
+head) lives in ``L`` neighbouring lanes (lane l holds coordinates l*C .. l*C+C-1, C = D/L),
+loaded straight from the paged cache through the block table. With C coordinates in registers
+the randomized Hadamard butterfly, the pairwise norm folds and the bit-plane packing are
+register-only work except the log2(L) top butterfly stages and folds across lanes (one exchange
+per value and stage). With L = D/8 (C = 8, one 16-byte piece per lane) rows are loaded and
+stored as ``[rows, D]`` tiles: a warp reads whole rows. The defaults (KernelConfig.lanes_for)
+use that for raw/fp8 launches and 4 lanes (32 at head_dim 256) where a rotation runs, the faster
+shapes measured on the H200 (bench/RESULTS.md).
 
 Bit-exactness with ``turbowire.codec`` rests on doing the reference's fp32 operations in the
 same order (FORMAT.md "Encode numerics"): the butterfly stages h = 1, 2, 4, ... (a recursive split
@@ -26,8 +28,11 @@ installed Triton's layout choice (``_rows_first``).
 Checksums: each program adds the wsum32 contribution of every byte it writes (the checksum is
 linear, so the pieces can be summed in any order mod 2**32) into a per-chunk accumulator; the
 last program of a chunk (an acq_rel counter) writes the 48-byte header with both checksums.
-The verify kernel recomputes body checksums and checks each header against what the decoder
-expects; the decode kernel writes nothing unless every chunk of the launch verified.
+The decode kernel verifies before it writes: each program recomputes the body checksum of the
+chunk it owns and checks its header against what the decoder expects (``_verify_chunk``, the
+reference decoder's checks), records the verdict, and decodes the chunk only if it passed. A
+refused chunk is never written; the other chunks of the same launch are (one launch, no
+separate verify pass: the caller learns of a refusal from the flag and the per-chunk status).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ KIND_LLOYD = 2
 ENCODE_FIELDS = ("koff", "voff", "start", "tokens", "pow2", "out", "blk", "tag_lo", "tag_hi",
                  "layer", "body", "kbytes", "kscale", "vscale")
 DECODE_FIELDS = ("koff", "voff", "start", "tokens", "in", "nbytes", "blk", "tag_lo", "tag_hi",
-                 "has_tag", "layer", "body", "kbytes", "nsplit", "kscale", "vscale")
+                 "has_tag", "layer", "body", "kbytes", "status", "kscale", "vscale")
 E_KOFF = tl.constexpr(0)
 E_VOFF = tl.constexpr(1)
 E_START = tl.constexpr(2)
@@ -75,7 +80,7 @@ D_HASTAG = tl.constexpr(9)
 D_LAYER = tl.constexpr(10)
 D_BODY = tl.constexpr(11)
 D_KBYTES = tl.constexpr(12)
-D_NSPLIT = tl.constexpr(13)
+D_STATUS = tl.constexpr(13)  # where the chunk's verify status goes in the status array
 D_KSCALE = tl.constexpr(14)
 D_VSCALE = tl.constexpr(15)
 D_FIELDS = tl.constexpr(len(DECODE_FIELDS))
@@ -1173,86 +1178,78 @@ def encode_kernel(
 
 
 # ------------------------------------------------------------------------------------------
-# verify
+# verify (fused into the decode kernel: each program checks the chunk it decodes)
 # ------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["H", "preset_id", "num_layers"])
-def verify_kernel(src_ptr, items_ptr, acc_ptr, status_ptr, fail_ptr, H, preset_id, num_layers,
-                  D: tl.constexpr, BLOCKW: tl.constexpr):
-    """Grid: items x splits. Body wsum32 in slices of BLOCKW words; the last slice's program
-    checks the header against what the decoder expects and records a status per chunk."""
-    item = tl.program_id(0)
-    split = tl.program_id(1)
-    ip = items_ptr + item * D_FIELDS
-    nsplit = tl.load(ip + D_NSPLIT).to(tl.int32)
-    if split < nsplit:
-        in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
-        nbytes = tl.load(ip + D_NBYTES)
-        exp_body = tl.load(ip + D_BODY)
-        p32 = (src_ptr + in_off).to(tl.pointer_type(tl.int32))
-        hw = tl.arange(0, 16)
-        hdr = tl.load(p32 + hw, mask=hw < 12, other=0)
-        hbody = tl.sum(tl.where(hw == 7, hdr, 0), axis=0).to(tl.int64) & 0xFFFFFFFF
-        # checksum the body the header announces, within the bytes the caller handed over
-        avail = tl.minimum(hbody, nbytes - 48)
-        nw = avail // 4
-        wi = split.to(tl.int64) * BLOCKW + tl.arange(0, BLOCKW)
+@triton.jit
+def _verify_chunk(src_ptr, ip, in_off, H, preset_id, num_layers, D: tl.constexpr,
+                  BLOCKW: tl.constexpr):
+    """Status bits of one chunk (0: valid), the checks of the reference decoder (wire.py
+    ``parse_header`` / ``verify_body``, ``Codec.check_compatible``): magic, version, header
+    checksum, format fields, the geometry, layer, token range and tag the item expects, the body
+    length the codec gives, the bytes handed over, and the body's wsum32 (over the body the
+    header announces, within those bytes), summed BLOCKW words at a time."""
+    nbytes = tl.load(ip + D_NBYTES)
+    exp_body = tl.load(ip + D_BODY)
+    p32 = (src_ptr + in_off).to(tl.pointer_type(tl.int32))
+    hw = tl.arange(0, 16)
+    hdr = tl.load(p32 + hw, mask=hw < 12, other=0)
+    hbody = tl.sum(tl.where(hw == 7, hdr, 0), axis=0).to(tl.int64) & 0xFFFFFFFF
+    # checksum the body the header announces, within the bytes the caller handed over
+    avail = tl.minimum(hbody, nbytes - 48)
+    nw = avail // 4
+    acc = tl.zeros([BLOCKW], tl.int32)  # per-lane wsum32 terms, mod 2**32
+    for wb in range(0, nw, BLOCKW):
+        wi = wb + tl.arange(0, BLOCKW)
         w = tl.load(p32 + 12 + wi, mask=wi < nw, other=0)
-        part = _wsum_words(w, wi.to(tl.int32))
-        tl.atomic_add(acc_ptr + item * 2, part, sem="relaxed")
-        done = tl.atomic_add(acc_ptr + item * 2 + 1, 1, sem="acq_rel")
-        if done == nsplit - 1:
-            total = tl.atomic_xchg(acc_ptr + item * 2, 0, sem="acq_rel")
-            tl.atomic_xchg(acc_ptr + item * 2 + 1, 0, sem="relaxed")
-            w0 = tl.sum(tl.where(hw == 0, hdr, 0), axis=0)
-            w1 = tl.sum(tl.where(hw == 1, hdr, 0), axis=0)
-            w2 = tl.sum(tl.where(hw == 2, hdr, 0), axis=0)
-            w3 = tl.sum(tl.where(hw == 3, hdr, 0), axis=0)
-            w4 = tl.sum(tl.where(hw == 4, hdr, 0), axis=0)
-            w5 = tl.sum(tl.where(hw == 5, hdr, 0), axis=0)
-            w6 = tl.sum(tl.where(hw == 6, hdr, 0), axis=0)
-            w8 = tl.sum(tl.where(hw == 8, hdr, 0), axis=0)
-            w9 = tl.sum(tl.where(hw == 9, hdr, 0), axis=0)
-            w10 = tl.sum(tl.where(hw == 10, hdr, 0), axis=0)
-            w11 = tl.sum(tl.where(hw == 11, hdr, 0), axis=0)
-            hsum = tl.sum(tl.where(hw < 11, hdr * (2 * hw + 1), 0), axis=0)
-            st = tl.zeros([1], tl.int32)
-            version = w1 & 0xFF
-            hunits = (w1 >> 8) & 0xFF
-            preset = (w1 >> 16) & 0xFFFF
-            layer = w2 & 0xFFFF
-            nlayers = (w2 >> 16) & 0xFFFF
-            heads = w3 & 0xFFFF
-            hdim = (w3 >> 16) & 0xFFFF
-            dcode = w4 & 0xFF
-            flags = (w4 >> 8) & 0xFF
-            reserved = (w4 >> 16) & 0xFFFF
-            st |= tl.where(w0 != MAGIC_WORD, 1, 0)
-            st |= tl.where(version != 1, 1, 0)
-            st |= tl.where(hsum != w11, 2, 0)
-            st |= tl.where((hunits != 3) | (reserved != 0), 1, 0)
-            st |= tl.where((dcode != 1) & (dcode != 2), 1, 0)
-            st |= tl.where(((flags & 1) == 1) != (w6 == 0), 1, 0)
-            st |= tl.where((flags & 0xFE) != 0, 1, 0)
-            st |= tl.where((hbody % 16) != 0, 1, 0)
-            st |= tl.where((layer >= nlayers) | (heads == 0) | (hdim == 0) | (w5 == 0), 1, 0)
-            st |= tl.where(preset != preset_id, 4, 0)
-            st |= tl.where(layer != tl.load(ip + D_LAYER).to(tl.int32), 4, 0)
-            st |= tl.where(nlayers != num_layers, 4, 0)
-            st |= tl.where(hdim != D, 4, 0)
-            st |= tl.where(heads != H, 4, 0)
-            st |= tl.where(w5 != tl.load(ip + D_T).to(tl.int32), 4, 0)
-            st |= tl.where(w6 != tl.load(ip + D_START).to(tl.int32), 4, 0)
-            has_tag = tl.load(ip + D_HASTAG) != 0
-            tag_bad = ((w8 != tl.load(ip + D_TAGLO).to(tl.int32))
-                       | (w9 != tl.load(ip + D_TAGHI).to(tl.int32)))
-            st |= tl.where(has_tag & tag_bad, 4, 0)
-            st |= tl.where(hbody != exp_body, 4, 0)
-            st |= tl.where(nbytes < 48 + hbody, 8, 0)
-            st |= tl.where(total != w10, 16, 0)
-            stv = tl.sum(st, axis=0)
-            tl.store(status_ptr + item, stv)
-            if stv != 0:
-                tl.atomic_add(fail_ptr, 1, sem="relaxed")
+        acc += w * (wi.to(tl.int32) * 2 + 1)
+    total = tl.sum(acc, axis=0).to(tl.int32)
+    w0 = tl.sum(tl.where(hw == 0, hdr, 0), axis=0)
+    w1 = tl.sum(tl.where(hw == 1, hdr, 0), axis=0)
+    w2 = tl.sum(tl.where(hw == 2, hdr, 0), axis=0)
+    w3 = tl.sum(tl.where(hw == 3, hdr, 0), axis=0)
+    w4 = tl.sum(tl.where(hw == 4, hdr, 0), axis=0)
+    w5 = tl.sum(tl.where(hw == 5, hdr, 0), axis=0)
+    w6 = tl.sum(tl.where(hw == 6, hdr, 0), axis=0)
+    w8 = tl.sum(tl.where(hw == 8, hdr, 0), axis=0)
+    w9 = tl.sum(tl.where(hw == 9, hdr, 0), axis=0)
+    w10 = tl.sum(tl.where(hw == 10, hdr, 0), axis=0)
+    w11 = tl.sum(tl.where(hw == 11, hdr, 0), axis=0)
+    hsum = tl.sum(tl.where(hw < 11, hdr * (2 * hw + 1), 0), axis=0)
+    st = tl.zeros([1], tl.int32)
+    version = w1 & 0xFF
+    hunits = (w1 >> 8) & 0xFF
+    preset = (w1 >> 16) & 0xFFFF
+    layer = w2 & 0xFFFF
+    nlayers = (w2 >> 16) & 0xFFFF
+    heads = w3 & 0xFFFF
+    hdim = (w3 >> 16) & 0xFFFF
+    dcode = w4 & 0xFF
+    flags = (w4 >> 8) & 0xFF
+    reserved = (w4 >> 16) & 0xFFFF
+    st |= tl.where(w0 != MAGIC_WORD, 1, 0)
+    st |= tl.where(version != 1, 1, 0)
+    st |= tl.where(hsum != w11, 2, 0)
+    st |= tl.where((hunits != 3) | (reserved != 0), 1, 0)
+    st |= tl.where((dcode != 1) & (dcode != 2), 1, 0)
+    st |= tl.where(((flags & 1) == 1) != (w6 == 0), 1, 0)
+    st |= tl.where((flags & 0xFE) != 0, 1, 0)
+    st |= tl.where((hbody % 16) != 0, 1, 0)
+    st |= tl.where((layer >= nlayers) | (heads == 0) | (hdim == 0) | (w5 == 0), 1, 0)
+    st |= tl.where(preset != preset_id, 4, 0)
+    st |= tl.where(layer != tl.load(ip + D_LAYER).to(tl.int32), 4, 0)
+    st |= tl.where(nlayers != num_layers, 4, 0)
+    st |= tl.where(hdim != D, 4, 0)
+    st |= tl.where(heads != H, 4, 0)
+    st |= tl.where(w5 != tl.load(ip + D_T).to(tl.int32), 4, 0)
+    st |= tl.where(w6 != tl.load(ip + D_START).to(tl.int32), 4, 0)
+    has_tag = tl.load(ip + D_HASTAG) != 0
+    tag_bad = ((w8 != tl.load(ip + D_TAGLO).to(tl.int32))
+               | (w9 != tl.load(ip + D_TAGHI).to(tl.int32)))
+    st |= tl.where(has_tag & tag_bad, 4, 0)
+    st |= tl.where(hbody != exp_body, 4, 0)
+    st |= tl.where(nbytes < 48 + hbody, 8, 0)
+    st |= tl.where(total != w10, 16, 0)
+    return tl.sum(st, axis=0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1472,57 +1469,70 @@ def _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off,
         _store_rows(kv_ptr, row, valid, y, L, BT, C)
 
 
-@triton.jit(do_not_specialize=["block_size", "H"])
+@triton.jit(do_not_specialize=["block_size", "H", "preset_id", "num_layers"])
 def decode_kernel(
-    kv_ptr, src_ptr, items_ptr, blocks_ptr, tab_ptr, fail_ptr,
-    stride_blk, stride_tok, stride_head, block_size, H,
+    kv_ptr, src_ptr, items_ptr, blocks_ptr, tab_ptr, status_ptr, fail_ptr,
+    stride_blk, stride_tok, stride_head, block_size, H, preset_id, num_layers,
     D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CENTER: tl.constexpr, K_SINK: tl.constexpr,
     K_NHI: tl.constexpr, K_WORDS: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CENTER: tl.constexpr, V_SINK: tl.constexpr,
     V_NHI: tl.constexpr, V_WORDS: tl.constexpr, MANUAL: tl.constexpr, S1M: tl.constexpr,
-    S2M: tl.constexpr,
+    S2M: tl.constexpr, SPLIT: tl.constexpr, BLOCKW: tl.constexpr,
 ):
-    """Grid: items x 2 streams x H heads. Writes nothing unless every chunk verified."""
-    if tl.load(fail_ptr) == 0:
-        pid = tl.program_id(0)
-        h = pid % H
-        s = (pid // H) % 2
-        item = pid // (2 * H)
-        ip = items_ptr + item * D_FIELDS
+    """Grid: items x SPLIT. Each program verifies its item's chunk (``_verify_chunk``: header,
+    expectations, body checksum), records the status (``status_ptr[items.status]``; a refusal
+    also counts in ``*fail_ptr``) and, only if the chunk is valid, decodes it: both streams, every
+    head (SPLIT 1), or one stream (SPLIT 2: program s of an item decodes stream s; both verify
+    the whole chunk and record the same status). A refused chunk writes nothing; the other
+    chunks of the launch are decoded regardless."""
+    pid = tl.program_id(0)
+    item = pid // SPLIT
+    part = pid % SPLIT
+    ip = items_ptr + item * D_FIELDS
+    in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
+    stv = _verify_chunk(src_ptr, ip, in_off, H, preset_id, num_layers, D, BLOCKW)
+    tl.store(status_ptr + tl.load(ip + D_STATUS), stv)
+    if stv != 0:
+        tl.atomic_add(fail_ptr, 1, sem="relaxed")
+    else:
         start = tl.load(ip + D_START).to(tl.int32)
         T = tl.load(ip + D_T).to(tl.int32)
-        in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
         blk0 = tl.load(ip + D_BLK)
         body0 = in_off + 48
+        k_off = tl.multiple_of(tl.load(ip + D_KOFF), 16)
+        v_off = tl.multiple_of(tl.load(ip + D_VOFF), 16)
+        s_off = tl.multiple_of(tl.load(ip + D_KBYTES), 16)
+        ksc = _scale_at(ip, D_KSCALE)
+        vsc = _scale_at(ip, D_VSCALE)
+        do_k = part == 0
+        do_v = part == SPLIT - 1
         # the chunk's source dtype (verified: 1 bf16, 2 fp16) selects a specialised copy of the
         # tile loop: a runtime test inside it cost ~3 instructions per value (both roundings
         # computed, then selected)
-        src_fp16 = tl.load(src_ptr + in_off + 16) == 2
-        if s == 0:
-            layer_off = tl.multiple_of(tl.load(ip + D_KOFF), 16)
-            sc = _scale_at(ip, D_KSCALE)
-            if src_fp16:
-                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
-                            body0, 0, True, stride_blk, stride_tok, stride_head, block_size, D,
-                            L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M,
-                            S2M, sc)
-            else:
-                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
-                            body0, 0, False, stride_blk, stride_tok, stride_head, block_size, D,
-                            L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL, S1M,
-                            S2M, sc)
+        if tl.load(src_ptr + in_off + 16) == 2:
+            if do_k:
+                for h in range(H):
+                    _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, k_off, h,
+                                H, body0, 0, True, stride_blk, stride_tok, stride_head,
+                                block_size, D, L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI,
+                                K_WORDS, MANUAL, S1M, S2M, ksc)
+            if do_v:
+                for h in range(H):
+                    _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, v_off, h,
+                                H, body0, s_off, True, stride_blk, stride_tok, stride_head,
+                                block_size, D, L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI,
+                                V_WORDS, MANUAL, S1M, S2M, vsc)
         else:
-            layer_off = tl.multiple_of(tl.load(ip + D_VOFF), 16)
-            s_off = tl.multiple_of(tl.load(ip + D_KBYTES), 16)
-            sc = _scale_at(ip, D_VSCALE)
-            if src_fp16:
-                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
-                            body0, s_off, True, stride_blk, stride_tok, stride_head, block_size, D,
-                            L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M,
-                            S2M, sc)
-            else:
-                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, layer_off, h, H,
-                            body0, s_off, False, stride_blk, stride_tok, stride_head, block_size, D,
-                            L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL, S1M,
-                            S2M, sc)
+            if do_k:
+                for h in range(H):
+                    _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, k_off, h,
+                                H, body0, 0, False, stride_blk, stride_tok, stride_head,
+                                block_size, D, L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI,
+                                K_WORDS, MANUAL, S1M, S2M, ksc)
+            if do_v:
+                for h in range(H):
+                    _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, v_off, h,
+                                H, body0, s_off, False, stride_blk, stride_tok, stride_head,
+                                block_size, D, L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI,
+                                V_WORDS, MANUAL, S1M, S2M, vsc)

@@ -6,8 +6,10 @@ take the same items (``kernels/items.py``) as the reference; callers reach them 
 door (``turbowire.kernels.encode_into`` / ``encode_layers_into`` ..., ``kernels/dispatch.py``),
 which picks this implementation for CUDA caches. Everything a peer can influence is checked on the
 host before a launch (block ids, token ranges, buffer ranges); chunk headers and body checksums
-are checked on the GPU by ``verify_kernel`` and the decode kernel writes nothing unless every
-chunk of the call verified. Decoding reads one int32 status per chunk back to the host (one
+are checked on the GPU by the decode kernel itself: each program verifies the chunk it decodes
+(the reference decoder's checks) and writes nothing of it unless it passed. A refused chunk is
+never written; other chunks of the same call may be (the reference and C paths check every chunk
+of a call before writing any). Decoding reads the per-chunk statuses back to the host (one
 synchronisation per call) to raise the same exception the reference path raises.
 """
 
@@ -56,17 +58,21 @@ class KernelConfig:
     ``.maxnreg``; None: the compiler's choice); ``encode_max_registers`` caps the encoder alone
     when ``max_registers`` is None: "tuned" (the caps measured for the stock presets, see
     ``TUNED_ENCODE_REGISTERS``), an int, or None; ``sum_rows``: rows per tile of the chunk-mean
-    pass (None: ``sum_rows_for``'s default)."""
+    pass (None: ``sum_rows_for``'s default); ``decode_split``: decode programs per chunk, 1 (one
+    program verifies a chunk and decodes both streams) or 2 (one per stream, each verifying the
+    whole chunk); ``verify_words``: words per step of the decode's checksum loop (None:
+    ``verify_words_for``'s default)."""
 
     num_warps: int = 4
     lanes: int | None = None
     decode_lanes: int | None = None
     qmode: int = 1
     tile_rows: int | None = None
-    verify_words: int = 4096
+    verify_words: int | None = None
     max_registers: int | None = None
     sum_rows: int | None = None
     encode_max_registers: int | str | None = "tuned"
+    decode_split: int = 1
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -80,8 +86,11 @@ class KernelConfig:
         if self.tile_rows is not None and (
                 self.tile_rows < 1 or self.tile_rows & (self.tile_rows - 1)):
             raise ValueError("tile_rows must be a power of two")
-        if self.verify_words < 16 or self.verify_words & (self.verify_words - 1):
+        vw = self.verify_words
+        if vw is not None and (vw < 16 or vw & (vw - 1)):
             raise ValueError("verify_words must be a power of two >= 16")
+        if self.decode_split not in (1, 2):
+            raise ValueError(f"decode_split is 1 or 2, got {self.decode_split}")
         if self.sum_rows is not None and (self.sum_rows < 8 or self.sum_rows & (self.sum_rows - 1)):
             raise ValueError("sum_rows must be a power of two >= 8")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
@@ -104,6 +113,12 @@ class KernelConfig:
         if lanes > head_dim // 8:
             raise ValueError(f"at most head_dim/8 = {head_dim // 8} lanes per row, got {lanes}")
         return lanes
+
+    def verify_words_for(self) -> int:
+        """Words per step of the decode kernel's checksum loop: ``verify_words``, else 16 per
+        thread (four 16-byte loads in flight per thread, ~48 registers in a phase where none
+        of the decode's are live)."""
+        return self.verify_words or 16 * 32 * self.num_warps
 
     def tile_rows_for(self, head_dim: int, encode: bool = True, transform: bool = True) -> int:
         lanes = self.lanes_for(head_dim, encode, transform)
@@ -585,9 +600,9 @@ class EncodePlan:
 
 
 class DecodePlan:
-    """Validated verify + decode launches for (layer, cache, layout, items) jobs. ``launch()``
-    verifies every chunk (one launch), then decodes per layer policy; the decode kernel writes
-    nothing unless every chunk verified. ``check()`` reads the statuses back (the one host
+    """Validated verify + decode launches for (layer, cache, layout, items) jobs: one launch per
+    distinct layer policy, each program verifying the chunk it decodes (a refused chunk is not
+    written, the others are). ``check()`` reads the statuses back (the one host
     synchronisation) and raises the reference's exception for the first refused chunk."""
 
     def __init__(
@@ -611,9 +626,7 @@ class DecodePlan:
         base, lay0 = _check_jobs(codec, jobs, source, "source")
         scale_cols = _scale_columns(base, len(jobs), kv_scales)
         dim = codec.head_dim
-        vw = cfg.verify_words
         launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
-        all_rows: list[list[int]] = []
         slot_spans: dict[int, list[tuple[int, int, str]]] = {}
         strides = None
         for (layer, cache, layout, items), (kscale, vscale) in zip(jobs, scale_cols):
@@ -640,36 +653,24 @@ class DecodePlan:
                 nbytes, kbytes = _sizes(codec, layer, item.num_tokens, layout.num_heads,
                                         item.token_start)
                 body = nbytes - HEADER_BYTES
-                row = [
+                launch.rows.append([  # the columns of DECODE_FIELDS, in order
                     geom.k_off, geom.v_off, item.token_start, item.num_tokens, item.in_offset,
                     item.nbytes, blk0, (tag or 0) & 0xFFFFFFFF, (tag or 0) >> 32,
-                    int(tag is not None), layer, body, kbytes, max(1, -(-(body // 4) // vw)),
-                    kscale, vscale,
-                ]
-                launch.rows.append(row)
-                all_rows.append(row)
+                    int(tag is not None), layer, body, kbytes, len(self._refs), kscale, vscale,
+                ])
                 self._refs.append((layer, item, layout))
         for spans in slot_spans.values():
             _check_disjoint(spans)
-        if not all_rows:
+        if not self._refs:
             return
         assert strides is not None
         device = base.device
         tab = _tables(dim, device)
-        n_all = len(all_rows)
-        vtable = torch.tensor(all_rows, dtype=torch.int64).to(device)
-        acc = torch.zeros(2 * n_all, dtype=torch.int32, device=device)
-        self.status = torch.zeros(n_all, dtype=torch.int32, device=device)
+        self.status = torch.zeros(len(self._refs), dtype=torch.int32, device=device)
         self.fails = torch.zeros(1, dtype=torch.int32, device=device)
         from turbowire.kernels import triton_codec as tk
 
-        max_split = max(r[13] for r in all_rows)  # the nsplit column
-        self._calls.append((
-            tk.verify_kernel, (n_all, max_split),
-            (source, vtable, acc, self.status, self.fails, lay0.num_heads,
-             codec.preset.preset_id, codec.num_layers),
-            dict(D=dim, BLOCKW=vw, num_warps=4),
-        ))
+        split = cfg.decode_split
         for (kspec, vspec), launch in launches.items():
             n = len(launch.rows)
             if n == 0:
@@ -682,12 +683,13 @@ class DecodePlan:
             lanes = cfg.lanes_for(dim, False, tf)
             bt = cfg.tile_rows_for(dim, False, tf)
             self._calls.append((
-                tk.decode_kernel, (n * 2 * lay0.num_heads,),
-                (_kernel_cache(base), source, table, blocks, tab, self.fails, strides[0],
-                 strides[1], strides[2],
-                 _block_size_arg(lay0.block_size), lay0.num_heads),
+                tk.decode_kernel, (n * split,),
+                (_kernel_cache(base), source, table, blocks, tab, self.status, self.fails,
+                 strides[0], strides[1], strides[2], _block_size_arg(lay0.block_size),
+                 lay0.num_heads, codec.preset.preset_id, codec.num_layers),
                 dict(D=dim, L=lanes, BT=bt, **consts, MANUAL=interpreting(),
-                     S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), **cfg.launch_options(),
+                     S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), SPLIT=split,
+                     BLOCKW=cfg.verify_words_for(), **cfg.launch_options(),
                      enable_fp_fusion=False),
             ))
 
@@ -754,7 +756,8 @@ def decode_into(
     config: KernelConfig | None = None,
     kv_scales: KVScales | None = None,
 ) -> None:
-    """Verify every chunk, then decode and scatter them; nothing is written if any fails."""
+    """Verify and decode every chunk and scatter it; a chunk that fails is not written (the
+    others of the call are), and the reference's exception is raised for the first one."""
     decode_layers_into(codec, [(layer, kv_cache, layout, items)], source, config,
                        None if kv_scales is None else [kv_scales])
 
@@ -766,9 +769,9 @@ def decode_layers_into(
     config: KernelConfig | None = None,
     kv_scales: Sequence[KVScales | None] | None = None,
 ) -> None:
-    """Decode (layer, cache, layout, items) jobs: one verify launch for all chunks, then one
-    decode launch per distinct layer policy; raises the reference's exception for the first
-    chunk that fails verification (nothing is written then)."""
+    """Decode (layer, cache, layout, items) jobs: one launch per distinct layer policy, each
+    program verifying the chunk it decodes; raises the reference's exception for the first
+    chunk that fails verification (that chunk is not written; the valid ones are)."""
     plan = DecodePlan(codec, jobs, source, config, kv_scales)
     plan.launch()
     plan.check()

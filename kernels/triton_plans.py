@@ -15,8 +15,9 @@ synchronisation happens before ``DecodeLayersPlan.check``.
   the connector calls it once per layer during the forward pass); ``launch()`` encodes all
   layers with one launch per layer policy. Both write the bytes ``EncodePlan`` writes (same
   kernel, same table rows).
-* ``DecodeLayersPlan.launch(lo, hi)`` verifies the chunks of layers lo..hi-1 (one launch) and
-  decodes them (one launch per policy; nothing is written if a chunk of the range fails);
+* ``DecodeLayersPlan.launch(lo, hi)`` verifies and decodes the chunks of layers lo..hi-1 (one
+  launch per layer policy; each program verifies the chunk it decodes and writes nothing of it
+  unless it passed: a refused chunk is never written, the valid chunks of the range are);
   ``check(lo, hi)`` reads one flag back (the one synchronisation) and raises the reference's
   exception for the first refused chunk; ``flag(lo)`` is that flag on the device, for a caller
   that copies it to pinned memory and checks it once an event says the copy ran.
@@ -202,14 +203,16 @@ def _device_rows(device: torch.device, n: int, fields: Sequence[tuple[str, Any]]
     """An int64 item table ``[layers * n, len(fields)]`` (layer-major) built on the device.
 
     Each field is ("L", [layers]) (one value per layer), ("N", [n]) (per chunk), ("LN",
-    [layers, n]) or ("LK", [layers, keys]) (per layer and size key, gathered by ``inv``: each
-    chunk's key). Only these arrays cross the bus (one pinned, non-blocking copy per kind); the
-    table itself is written by a few device kernels, not by the host."""
+    [layers, n]), ("LK", [layers, keys]) (per layer and size key, gathered by ``inv``: each
+    chunk's key) or ("LI", [layers]) (the layer's value plus the chunk's index 0..n-1). Only
+    these arrays cross the bus (one pinned, non-blocking copy per kind); the table itself is
+    written by a few device kernels, not by the host."""
     kinds: dict[str, list[np.ndarray]] = {"L": [], "N": [], "LN": [], "LK": []}
     where: list[tuple[str, int]] = []
     for kind, arr in fields:
-        where.append((kind, len(kinds[kind])))
-        kinds[kind].append(np.asarray(arr, dtype=np.int64))
+        store = "L" if kind == "LI" else kind
+        where.append((kind, len(kinds[store])))
+        kinds[store].append(np.asarray(arr, dtype=np.int64))
     n_l = next(np.asarray(a).shape[0] for kind, a in fields if kind != "N")
     up: dict[str, torch.Tensor] = {}
     for kind, arrs in kinds.items():
@@ -221,6 +224,8 @@ def _device_rows(device: torch.device, n: int, fields: Sequence[tuple[str, Any]]
     for kind, j in where:
         if kind == "L":
             cols.append(up["L"][:, None, j].expand(n_l, n))
+        elif kind == "LI":
+            cols.append(up["L"][:, None, j] + torch.arange(n, dtype=torch.int64, device=device))
         elif kind == "N":
             cols.append(up["N"][None, :, j].expand(n_l, n))
         else:
@@ -434,7 +439,7 @@ class EncodeLayersPlan:
 
 
 class DecodeLayersPlan:
-    """Verify + decode launches for ``chunks`` in each of ``layers`` (see the module docstring).
+    """Fused verify + decode launches for ``chunks`` in each of ``layers`` (module docstring).
 
     ``in_offsets[i, n]`` / ``nbytes[i, n]``: where chunk n of the i-th layer lies in ``source``
     and its size as the sender announced it. The chunks' expected tags are ``chunks.tags``
@@ -499,7 +504,6 @@ class DecodeLayersPlan:
             return
         device = base.device
         dim = codec.head_dim
-        vw = cfg.verify_words
         from turbowire.kernels.triton_codec import DECODE_FIELDS
 
         nf = len(DECODE_FIELDS)
@@ -509,8 +513,6 @@ class DecodeLayersPlan:
         nb_lk, kb_lk = _size_table(codec, self.layers, layout.num_heads, chunks)
         _, inv = chunks.size_keys()
         body_lk = nb_lk - HEADER_BYTES
-        nsplit_lk = np.maximum(1, -(-(body_lk // 4) // vw))
-        self._nsplit_max = nsplit_lk[:, np.unique(inv)].max(axis=1)
 
         def fields(sel: Sequence[int]) -> list[tuple[str, Any]]:
             sel = list(sel)
@@ -519,16 +521,14 @@ class DecodeLayersPlan:
                 ("N", chunks.start), ("N", chunks.tokens), ("LN", inn[sel]), ("LN", size[sel]),
                 ("N", blk0), ("N", tag_lo), ("N", tag_hi), ("N", np.full(n, int(chunks.has_tag))),
                 ("L", [self.layers[i] for i in sel]), ("LK", body_lk[sel]), ("LK", kb_lk[sel]),
-                ("LK", nsplit_lk[sel]), ("L", [scale_cols[i][0] for i in sel]),
+                # status: chunk c of the plan's i-th layer reports at i * n + c
+                ("LI", [i * n for i in sel]), ("L", [scale_cols[i][0] for i in sel]),
                 ("L", [scale_cols[i][1] for i in sel]),
             ]
 
         assert len(fields([0])) == nf
-        # the verify table holds every layer (layer-major); each policy's decode table its own
-        self.vtable = _device_rows(device, n, fields(range(n_l)), inv)
         self.blocks = _to_device(chunks.block_ids.astype(np.int32) if chunks.block_ids.size
                                  else np.zeros(1, np.int32), torch.int32, device)
-        self.acc = torch.zeros(2 * n_l * n, dtype=torch.int32, device=device)
         self.status = torch.zeros(n_l * n, dtype=torch.int32, device=device)
         # one flag per layer range start, 16 bytes apart (aligned kernel arguments)
         self.fails = torch.zeros(4 * n_l, dtype=torch.int32, device=device)
@@ -542,10 +542,8 @@ class DecodeLayersPlan:
                                 ).positions.append(i)
         self._policy_of: list[tuple[_Policy, int]] = [None] * n_l  # type: ignore[list-item]
         for pol in policies.values():
-            if len(policies) == 1:
-                pol.table = self.vtable
-            else:
-                pol.table = _device_rows(device, n, fields(pol.positions), inv)
+            # each policy's table holds its layers, in plan order
+            pol.table = _device_rows(device, n, fields(pol.positions), inv)
             for j, i in enumerate(pol.positions):
                 self._policy_of[i] = (pol, j)
         self._policies = list(policies.values())
@@ -564,13 +562,7 @@ class DecodeLayersPlan:
         lay = self.layout
         assert self.fails is not None and self.status is not None
         fail = self.fails[4 * lo:4 * lo + 1]
-        calls = [(
-            tk.verify_kernel, ((hi - lo) * n, int(self._nsplit_max[lo:hi].max())),
-            (self.source, self.vtable[lo * n:hi * n], self.acc[2 * lo * n:2 * hi * n],
-             self.status[lo * n:hi * n], fail, lay.num_heads, self.codec.preset.preset_id,
-             self.codec.num_layers),
-            dict(D=dim, BLOCKW=cfg.verify_words, num_warps=4),
-        )]
+        calls = []
         for pol in self._policies:
             js = [j for j, i in enumerate(pol.positions) if lo <= i < hi]
             if not js:
@@ -583,20 +575,24 @@ class DecodeLayersPlan:
             tf = _transforms(kspec, vspec)
             st = self._strides
             calls.append((
-                tk.decode_kernel, ((b - a) * n * 2 * lay.num_heads,),
+                tk.decode_kernel, ((b - a) * n * cfg.decode_split,),
                 (_kernel_cache(self._base), self.source, pol.table[a * n:b * n], self.blocks,
-                 self._tab, fail, st[0], st[1], st[2], _block_size_arg(lay.block_size),
-                 lay.num_heads),
+                 self._tab, self.status, fail, st[0], st[1], st[2],
+                 _block_size_arg(lay.block_size), lay.num_heads, self.codec.preset.preset_id,
+                 self.codec.num_layers),
                 dict(D=dim, L=cfg.lanes_for(dim, False, tf), BT=cfg.tile_rows_for(dim, False, tf),
                      **consts, MANUAL=interpreting(), S1M=_sign_mask(dim, 0),
-                     S2M=_sign_mask(dim, 1), **cfg.launch_options(), enable_fp_fusion=False),
+                     S2M=_sign_mask(dim, 1), SPLIT=cfg.decode_split,
+                     BLOCKW=cfg.verify_words_for(), **cfg.launch_options(),
+                     enable_fp_fusion=False),
             ))
         self._ranges[(lo, hi)] = calls
         return calls
 
     def launch(self, lo: int = 0, hi: int | None = None) -> None:
-        """Verify, then decode, the chunks of the plan's layers lo..hi-1 on the current stream;
-        the decode writes nothing unless every chunk of the range verified."""
+        """Verify and decode the chunks of the plan's layers lo..hi-1 on the current stream (one
+        launch per layer policy); a chunk that fails verification is not written, the others
+        are, and the range's flag counts the refusals."""
         if self.fails is None:
             return
         hi = len(self.layers) if hi is None else hi
@@ -616,9 +612,8 @@ class DecodeLayersPlan:
             return set()
         base = (self._base.dtype, self._strides, self._cfg, self.layout.block_size,
                 self.layout.num_heads)
-        return {("verify", self._cfg.verify_words)} | {
-            (*base, pol.key) for pol in self._policies
-            if any(lo <= i < hi for i in pol.positions)}
+        return {(*base, pol.key) for pol in self._policies
+                if any(lo <= i < hi for i in pol.positions)}
 
     def flag(self, lo: int = 0) -> torch.Tensor | None:
         """The device flag of the range launched from ``lo`` (one int32, nonzero once a chunk of

@@ -3,8 +3,9 @@
 Encoded chunks must be byte-identical to the reference codec's (header and checksums included)
 for every stream kind, bit width, head_dim, cache layout and block size; decoded caches must
 equal the reference path's (the kernels follow its fp32 operation order, so the values are
-bit-identical, not just close); slots outside the target tokens keep a guard pattern; corrupt or
-unexpected chunks write nothing; remote indices are refused before any launch.
+bit-identical, not just close); slots outside the target tokens keep a guard pattern; a corrupt
+or unexpected chunk is never written (the valid chunks of the same call are); remote indices are
+refused before any launch.
 """
 
 from __future__ import annotations
@@ -283,29 +284,41 @@ def _raw_setup(chunks=((0, 20), (20, 12))):
     return codec, layout, staging, dec, dst
 
 
-def test_a_corrupt_or_unexpected_chunk_writes_nothing() -> None:
-    codec, layout, staging, dec, dst = _raw_setup()
+def test_a_corrupt_or_unexpected_chunk_is_never_written() -> None:
+    """Each program verifies the chunk it decodes: a refused chunk writes nothing (its slots keep
+    the guard), the valid chunks of the same call are decoded as the reference decodes them,
+    and the call raises the reference's exception for the refused one."""
+    codec, layout, staging, dec, _ = _raw_setup()
+
+    def after(layer: int, items) -> torch.Tensor:  # the reference's cache after ``items``
+        want = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, 0, fill=GUARD)
+        if items:
+            decode_into(codec, layer, want, layout, items, staging, impl="reference")
+        return want
+
+    def refused(layer: int, items, exc, match: str | None, good) -> None:
+        dst = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, 0, fill=GUARD)
+        with pytest.raises(exc, match=match):
+            decode_into(codec, layer, dst, layout, items, staging, impl="triton",
+                        kernel_config=SMALL)
+        assert torch.equal(dst, after(layer, good)), match
+
     body_byte = dec[1].in_offset + 100
     staging[body_byte] ^= 0x10
-    with pytest.raises(ChecksumError, match="body checksum"):
-        decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
+    refused(1, dec, ChecksumError, "body checksum", [dec[0]])
     staging[body_byte] ^= 0x10
     staging[dec[0].in_offset + 9] ^= 0x01  # header (layer field)
-    with pytest.raises(ChecksumError, match="header checksum"):
-        decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
+    refused(1, dec, ChecksumError, "header checksum", [dec[1]])
     staging[dec[0].in_offset + 9] ^= 0x01
     wrong_tag = [dec[0], DecodeItem(dec[1].block_ids, dec[1].token_start, dec[1].num_tokens,
                                     dec[1].in_offset, dec[1].nbytes, expected_tag=99)]
-    with pytest.raises(IncompatiblePayloadError, match="tag"):
-        decode_into(codec, 1, dst, layout, wrong_tag, staging, impl="triton", kernel_config=SMALL)
+    refused(1, wrong_tag, IncompatiblePayloadError, "tag", [dec[0]])
     short = [DecodeItem(dec[0].block_ids, 0, 20, dec[0].in_offset, dec[0].nbytes - 16, 11)]
-    with pytest.raises(TruncatedPayloadError):
-        decode_into(codec, 1, dst, layout, short, staging, impl="triton", kernel_config=SMALL)
-    with pytest.raises(IncompatiblePayloadError, match="layer"):
-        decode_into(codec, 0, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
-    assert bool((dst == GUARD).all())
+    refused(1, short, TruncatedPayloadError, None, [])
+    refused(0, dec, IncompatiblePayloadError, "layer", [])
+    dst = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, 0, fill=GUARD)
     decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
-    assert not bool((dst == GUARD).all())
+    assert torch.equal(dst, after(1, dec)) and not bool((dst == GUARD).all())
 
 
 def test_remote_indices_and_offsets_are_refused_before_any_launch() -> None:

@@ -4,10 +4,11 @@ under Triton's interpreter (``force``: the same plans, launched inline without s
 Prefill: per-layer ``save_kv_layer`` calls (some layers left to ``wait_for_save``) and the
 batched mode must stage exactly the bytes of the per-layer path CPU engines use, and count the
 same dense/wire bytes. Decode: ``_decode_group`` per landed group hands back a handle; settled,
-it must have written exactly what the per-layer path writes, verified a group before writing any
-of it (groups queued together: all of them), and raise the reference's exception for a corrupt
-chunk; an abandoned handle launches nothing. The loader finishes a load only once every such
-handle ran, fails it on a refusal and abandons the rest.
+it must have written exactly what the per-layer path writes, never written a chunk that fails
+verification (the valid chunks launched with it are written: they are the same load's blocks),
+and raise the reference's exception for a corrupt chunk; an abandoned handle launches nothing.
+The loader finishes a load only once every such handle ran, fails it on a refusal (the whole
+load: vLLM recomputes its blocks) and abandons the rest.
 """
 
 from __future__ import annotations
@@ -181,20 +182,25 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     assert not torch.equal(dsts[1][LAYERS[0]], gpu_caches(None)[LAYERS[0]])
     assert not w.gpu._loads  # the load's plan is dropped after its last group
 
-    # ---- a corrupt chunk in the second group: it fails, nothing of the group is written
+    # ---- a corrupt chunk in the second group (block 1 of layer 2): it fails; the chunk is not
+    # written (its rows keep the guard), the group's other chunks are, as the reference decodes
     at = recv_offset + offsets[(1, 2)][0] + 80
     w.recv[at] ^= 0x11
+    bad_rows = (slice(None), dst_ids[load.blocks[1].index], slice(0, load.blocks[1].num_tokens))
+    want = dsts[0][LAYERS[2]].clone()
+    want[bad_rows] = GUARD
     dst = gpu_caches(None)
     w.caches.tensors[:] = [dst[n] for n in LAYERS]
     w._decode_group(load, range(0, 2), recv_offset, offsets).result()
     with pytest.raises(ChecksumError):
         w._decode_group(load, range(2, 3), recv_offset, offsets).result()
-    assert torch.equal(dst[LAYERS[2]], gpu_caches(None)[LAYERS[2]])
+    assert torch.equal(dst[LAYERS[2]], want)
+    assert bool((dst[LAYERS[2]][bad_rows] == GUARD).all())
     assert torch.equal(dst[LAYERS[0]], dsts[0][LAYERS[0]])
     assert not w.gpu._loads
 
-    # ---- groups that landed together are launched together: one refused chunk, nothing of
-    # either group written, both handles raise
+    # ---- groups that landed together are launched together: one refused chunk, both handles
+    # raise; only the refused chunk is not written
     dst = gpu_caches(None)
     w.caches.tensors[:] = [dst[n] for n in LAYERS]
     first = w._decode_group(load, range(0, 2), recv_offset, offsets)
@@ -204,8 +210,9 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     for pending in (first, second):
         with pytest.raises(ChecksumError):
             pending.result()
-    for name in LAYERS:
-        assert torch.equal(dst[name], gpu_caches(None)[name]), name
+    assert torch.equal(dst[LAYERS[2]], want)
+    for name in LAYERS[:2]:
+        assert torch.equal(dst[name], dsts[0][name]), name
     # ... and an abandoned load launches nothing of what was queued
     w.recv[at] ^= 0x11  # repaired
     dst = gpu_caches(None)
@@ -224,6 +231,147 @@ def test_applies_only_to_cuda_caches(monkeypatch):
     with pytest.raises(ValueError, match="mode"):
         gpu_path.GpuPaths(w.codec, w.geometry, w.layout, w.caches, w.staging, w.recv,
                           w.chunk_nbytes, mode="graph")
+
+
+def test_the_groups_landed_in_one_pass_get_one_captured_launch():
+    """``_flush``'s choice among a load's captured launches (CUDA graphs, so only the choice is
+    tested here): the launch of exactly the queued layers (one group, or all of them), else the
+    groups' launches back to back, else none (direct launches); every captured launch covering
+    any of those layers is dropped, so no layer is ever decoded by two of them."""
+    pick = gpu_path.GpuPaths._graphs_for
+
+    def entry():
+        keys = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 4)]
+        return SimpleNamespace(graphs={k: k for k in keys})
+
+    e = entry()
+    assert pick(e, range(0, 4)) == [(0, 4)] and e.graphs == {}  # all landed together
+    e = entry()
+    assert pick(e, range(0, 1)) == [(0, 1)]  # a group that landed alone
+    assert e.graphs == {(1, 2): (1, 2), (2, 3): (2, 3), (3, 4): (3, 4)}
+    assert pick(e, range(1, 4)) == [(1, 2), (2, 3), (3, 4)] and e.graphs == {}
+    e = entry()
+    del e.graphs[(2, 3)]  # not captured (its kernels were not compiled yet): launched directly
+    assert pick(e, range(1, 4)) == [] and e.graphs == {(0, 1): (0, 1)}
+    assert pick(SimpleNamespace(graphs={}), range(0, 4)) == []
+
+
+class _Inline:
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        f: Future = Future()
+        f.set_result(fn(*args, **kwargs))
+        return f
+
+
+class _DoneRead:
+    """A READ whose bytes are there when it is posted (the test puts them in place)."""
+
+    def state(self):
+        from turbowire.connector.transports.base import TransferState
+
+        return TransferState.DONE
+
+    def release(self) -> None:
+        pass
+
+
+class _LandedWire(FakeTransport):
+    def add_peer(self, metadata: bytes) -> str:
+        return "prefill-agent"
+
+    def read(self, peer, local, remote, mem_type, notif=b""):
+        return _DoneRead()
+
+
+def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkeypatch):
+    """Through the worker's loader and the GPU path: one corrupt chunk (block 0 of layer 1) in a
+    group of several chunks (layers 0-1 x 2 blocks). The load fails as a whole (reason
+    ``checksum``: vLLM recomputes its blocks); the corrupt chunk's rows keep their poison; the
+    other chunks of its group equal the reference decode; no chunk of a later group is written
+    with anything but the reference's values."""
+    from turbowire.codec import Codec
+    from turbowire.kernels import DecodeItem, decode_into
+
+    src = gpu_caches(seed=3)
+    w = make_worker(monkeypatch, "tq4", True)
+    register(w, src, True)
+    meta = save_meta()
+    for name in LAYERS:
+        w.save_kv_layer(name, src[name], meta)
+    w.wait_for_save(meta)
+    save = meta.saves[1]  # request "b": blocks 2 and 3 of its table
+    dst_ids = [4, 11, 6, 0]
+    load = LoadRequest("d", "b", PeerAddress("p", "h", 1, 1),
+                       [LoadBlock(b.index, dst_ids[b.index], b.num_tokens, b.slot, b.tag)
+                        for b in save.blocks], "tq4", dst_ids)
+    staging = SimpleNamespace(agent_metadata=b"", base_addr=0, slot_bytes=w.layout.slot_bytes,
+                              num_slots=w.layout.num_slots,
+                              layer_offsets=tuple(w.layout.layer_offsets), device_id=0,
+                              mem_type=w.loader.mem_type)
+    reply = SimpleNamespace(unknown=[], refused=[])
+    client = SimpleNamespace(
+        handshake=lambda record, engine_id, tp_rank: SimpleNamespace(
+            engine_id="p", staging=staging, lease_seconds=30.0),
+        heartbeat=lambda ids, engine_id="", **kw: reply,
+        release=lambda ids, engine_id="", tp_rank=0, **kw: reply)
+    w.loader._clients = SimpleNamespace(get=lambda host, port: client)
+    w.loader._executor = _Inline()
+    w.loader._transport = _LandedWire()
+    bad = (0, 1)  # (block position, layer)
+    seen = {}
+    real_prepare = w.loader.prepare
+
+    def prepare(ld, recv_offset, offsets):  # the READs' bytes, then the GPU path's hook
+        for layer in range(len(LAYERS)):
+            for bi, b in enumerate(ld.blocks):
+                at = w.layout.chunk_offset(b.slot, layer)
+                off, size = offsets[(bi, layer)]
+                w.recv[recv_offset + off:recv_offset + off + size] = w.staging[at:at + size]
+        w.recv[recv_offset + offsets[bad][0] + 80] ^= 0x11
+        seen.update(recv_offset=recv_offset, offsets=offsets)
+        real_prepare(ld, recv_offset, offsets)
+
+    w.loader.prepare = prepare
+    poisoned = gpu_caches(None)
+    dst = gpu_caches(None)
+    w.caches.tensors[:] = [dst[n] for n in LAYERS]
+    w.start_load_kv(TurboWireConnectorMetadata(loads=[load]))
+    finished: set[str] = set()
+    failed: set[str] = set()
+    for _ in range(20):
+        f, x = w.get_transfer_results()
+        finished |= f
+        failed |= x
+        if "d" in finished:
+            break
+    assert finished == {"d"} and failed == {"d"}
+    assert w.take_reports().reports["d"].failed == "checksum"
+    groups = seen["offsets"].groups
+    assert groups is not None and list(groups[0]) == [0, 1]  # the corrupt chunk's group
+    # the reference decode of every chunk but the corrupt one
+    codec = Codec("tq4", DIM, len(LAYERS))
+    want = gpu_caches(None)
+    for layer, name in enumerate(LAYERS):
+        items = [DecodeItem(dst_ids, b.index * BS, b.num_tokens,
+                            seen["recv_offset"] + seen["offsets"][(bi, layer)][0],
+                            seen["offsets"][(bi, layer)][1], b.tag)
+                 for bi, b in enumerate(load.blocks) if (bi, layer) != bad]
+        decode_into(codec, layer, want[name], w.caches.layouts[layer], items, w.recv,
+                    impl="reference")
+    blk = load.blocks[bad[0]]
+    rows = (slice(None), dst_ids[blk.index], slice(0, blk.num_tokens))
+    assert bool((dst[LAYERS[bad[1]]][rows] == GUARD).all()), "the corrupt chunk was written"
+    for layer in groups[0]:  # its group: every other chunk as the reference decodes it
+        assert torch.equal(dst[LAYERS[layer]], want[LAYERS[layer]]), layer
+    for layer in range(groups[0].stop, len(LAYERS)):  # later groups: decoded or untouched
+        name = LAYERS[layer]
+        for bi, b in enumerate(load.blocks):
+            r = (slice(None), dst_ids[b.index], slice(0, b.num_tokens))
+            assert (torch.equal(dst[name][r], want[name][r])
+                    or torch.equal(dst[name][r], poisoned[name][r])), (layer, bi)
+    assert not w.gpu._loads and not w.loader.pending
 
 
 # ---- the loader with GPU decodes (handles that settle later): connector/loader.py
@@ -298,8 +446,10 @@ def _loader(refuse_layer: int | None = None):
                           tuple(layout.layer_offsets), 0, "DRAM")
     client = SimpleNamespace(
         handshake=lambda record, engine_id, tp_rank: PeerInfo("p", None, staging, 30.0),
-        heartbeat=lambda ids, engine_id="": SimpleNamespace(unknown=[]),
-        release=lambda ids, engine_id="", tp_rank=0: SimpleNamespace(unknown=[]))
+        heartbeat=lambda ids, engine_id="", lease_tokens=None: SimpleNamespace(unknown=[],
+                                                                               refused=[]),
+        release=lambda ids, engine_id="", tp_rank=0, lease_tokens=None: SimpleNamespace(
+            unknown=[], refused=[]))
 
     class Inline:
         def submit(self, fn, *args, **kwargs):
