@@ -453,7 +453,7 @@ class GpuPaths:
 
     def decode_group(self, load: LoadRequest, layers: range, recv_offset: int,
                      chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> PendingGroup:
-        """Queue the verify + decode of ``layers`` (one landed READ) into the cache; returns
+        """Queue the verify + decode of ``layers`` (a run of landed READs) into the cache; returns
         the loader's handle (``loader.PendingDecode``). Groups of one load queued back to back
         (the loader hands over every landed group in one pass) are launched together when a
         handle of the load is first asked whether its decode ran (the end of the pass): the

@@ -5,12 +5,12 @@ loop never blocks on the network), READs exactly the chunk bytes of the needed (
 pairs into the receive buffer, one READ per group of layers (``decode_pipeline_groups``, two in
 flight), claims the prefill lease while they move, and decodes each group as soon as it has
 landed (nothing is decoded before the claim confirms the lease) while the later groups are still
-on the wire, every landed group in one pass; a decode may come back as a handle still running on
-the GPU (``PendingDecode``): the load finishes once all of them ran and none refused a chunk (one
-wait per load, when its last group is handed over); then it tells the prefill engine to release
-the lease. Any failure lands in the
-failed set with its metric reason; a READ that may still be writing when its load fails keeps
-its receive range quarantined.
+on the wire, each run of consecutive groups that landed together in one decode call. A decode
+may come back as a handle still running on the GPU (``PendingDecode``): the load finishes once
+all of them ran and none refused a chunk (one wait per load, when its last group is handed
+over); then it tells the prefill engine to release the lease. Any failure lands in the failed
+set with its metric reason; a READ that may still be writing when its load fails keeps its
+receive range quarantined.
 
 Everything it talks to is injected (transport, side-channel clients, executor, the decode of a
 layer group into the paged cache), so a fake transport can unit-test it
@@ -248,6 +248,9 @@ class KVLoader:
         self._quarantine: list[Quarantined] = []
         self._stale_agents: set[str] = set()  # NIXL agents of forgotten peers, to remove
         self.quarantined_bytes = 0
+        # hand a run of groups that landed together to one decode call (False: one call per
+        # group, as before; the GPU bench measures both)
+        self.merge_landed = True
 
     @property
     def pending(self) -> int:
@@ -313,24 +316,12 @@ class KVLoader:
                 return False
         if not self._claimed(job):
             return False  # nothing is decoded before the lease is confirmed
-        # decode every group that has landed, in order (the READs posted meanwhile included);
-        # the next READ goes out before a group is decoded, so the link stays busy while the
-        # CPU/GPU decodes
-        g = 0
-        while g < len(job.xfers):
-            if job.decoded[g]:
-                g += 1
-                continue
-            state = job.xfers[g].state()
-            if state is TransferState.PENDING:
-                break
-            if state is TransferState.FAILED:
-                raise LoadFailed("transport", f"NIXL READ of layer group {g} finished in error")
-            job.xfers[g].release()
-            job.decoded[g] = True  # even if decoding raises: the handle is released
-            self._post_more(job)
-            job.decode_seconds += self._decode_group(job, job.groups[g])
-            g += 1
+        # decode every group that has landed, in order (the READs posted meanwhile included),
+        # each run of consecutive landed groups in one call (``merge_landed``); the next READs
+        # go out before a run is decoded, so the link stays busy while the CPU/GPU decodes, and
+        # groups that land meanwhile are taken by the next run
+        while (layers := self._take_landed(job)) is not None:
+            job.decode_seconds += self._decode_group(job, layers)
         done = len(job.xfers) == len(job.groups) and all(job.decoded)
         # GPU decodes: settle those that ran (a refusal fails the load now); once every group
         # is decoded, wait for the rest: the one host synchronisation of the load
@@ -347,6 +338,28 @@ class KVLoader:
         self._free_recv(job)
         self._complete(job, transfer_seconds, job.decode_seconds)
         return True
+
+    def _take_landed(self, job: LoadJob) -> range | None:
+        """The layers of the next run of landed groups (their READs released, the next READs
+        posted), None if the next group has not landed. With ``merge_landed`` off, one group per
+        run: a decode call per READ."""
+        g = next((i for i, d in enumerate(job.decoded) if not d), len(job.xfers))
+        first = g
+        while g < len(job.xfers):
+            state = job.xfers[g].state()
+            if state is TransferState.PENDING:
+                break
+            if state is TransferState.FAILED:
+                raise LoadFailed("transport", f"NIXL READ of layer group {g} finished in error")
+            job.xfers[g].release()
+            job.decoded[g] = True  # even if decoding raises: the handle is released
+            g += 1
+            self._post_more(job)  # before the decode; a READ posted here may have landed too
+            if not self.merge_landed:
+                break
+        if g == first:
+            return None
+        return range(job.groups[first].start, job.groups[g - 1].stop)
 
     def _peer_for(self, job: LoadJob) -> PeerState | None:
         peer = job.load.peer

@@ -323,7 +323,7 @@ class TurboWireWorker:
     def _decode_group(self, load: LoadRequest, layers: range, recv_offset: int,
                       chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]
                       ) -> gpu_path.PendingGroup | None:
-        """Verify and decode the chunks of ``layers`` (one landed READ) into the cache."""
+        """Verify and decode the chunks of ``layers`` (a run of landed READs) into the cache."""
         from turbowire.kernels import DecodeItem, decode_into
 
         if self.gpu is not None:  # queued on the GPU; the loader settles it (one sync per load)

@@ -493,10 +493,10 @@ def test_the_loader_finishes_a_load_only_once_its_gpu_decodes_ran():
     wire.auto_land = True
     wire_posted = len(wire.reads)
     finished, failed = loader.results()
-    # every landed group in one call (the READs posted meanwhile included), then one wait
+    # every landed group in one decode call (the READs posted meanwhile included), one wait
     assert len(wire.reads) == 4 > wire_posted
-    assert [e[1] for e in log if e[0] == "decode"] == [(0,), (1,), (2,), (3,)]
-    assert [e for e in log if e[0] == "wait"] == [("wait", (1,)), ("wait", (2,)), ("wait", (3,))]
+    assert [e[1] for e in log if e[0] == "decode"] == [(0,), (1, 2, 3)]
+    assert [e for e in log if e[0] == "wait"] == [("wait", (1, 2, 3))]
     assert finished == {"r"} and not failed
     assert loader.take_reports()["r"].failed is None
 
@@ -513,5 +513,6 @@ def test_a_refused_gpu_decode_fails_the_load_and_abandons_the_rest():
     assert failed == {"r"} and finished == {"r"}
     assert loader.take_reports()["r"].failed == "checksum"
     abandoned = [e[1] for e in log if e[0] == "abandon"]
-    assert abandoned == [(2,), (3,)]  # queued after the refused group: never waited for
+    # the run decoded after the refused group is queued behind it: never waited for
+    assert abandoned == [(2, 3)]
     assert not loader.pending

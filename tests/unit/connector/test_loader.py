@@ -183,7 +183,8 @@ def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases(
     assert r.client.calls[:1] == ["handshake"]
     finished, failed = drive(r)
     assert finished == {"r1"} and not failed
-    assert [layers for _, layers in r.decoded] == [(0,), (1,), (2,), (3,)]
+    # two READs in flight land by each poll: each pair is decoded in one call
+    assert [layers for _, layers in r.decoded] == [(0, 1), (2, 3)]
     assert len(r.transport.reads) == 4 and all(x.released for x in r.transport.reads)
     assert r.client.calls.index("heartbeat") < r.client.calls.index("release")
     assert r.client.released == ["remote-r1"]
@@ -191,6 +192,33 @@ def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases(
     report = r.loader.take_reports()["r1"]
     assert report.failed is None and report.tokens == 2 * BS + 5
     assert report.wire_bytes == sum(x.nbytes for x in r.transport.reads)
+
+
+def test_groups_that_land_together_are_one_decode_call_and_a_later_one_its_own():
+    r = rig()
+    r.loader.start([request()])
+    r.loader.results()
+    first, second = r.transport.reads
+    second.current = TransferState.DONE  # out of order: nothing to decode before group 0
+    r.loader.results()
+    assert not r.decoded
+    first.current = TransferState.DONE
+    r.loader.results()  # groups 0-1 in one call; groups 2-3 posted meanwhile
+    assert [layers for _, layers in r.decoded] == [(0, 1)]
+    third = r.transport.reads[2]
+    third.current = TransferState.DONE
+    r.loader.results()
+    assert [layers for _, layers in r.decoded] == [(0, 1), (2,)]
+    assert drive(r) == ({"r1"}, set())
+    assert [layers for _, layers in r.decoded] == [(0, 1), (2,), (3,)]
+
+
+def test_merge_landed_off_decodes_one_group_per_call():
+    r = rig()
+    r.loader.merge_landed = False
+    r.loader.start([request()])
+    assert drive(r) == ({"r1"}, set())
+    assert [layers for _, layers in r.decoded] == [(0,), (1,), (2,), (3,)]
 
 
 def test_no_more_than_two_reads_are_on_the_wire():
@@ -246,7 +274,9 @@ def test_a_failed_group_fails_the_load_and_later_groups_are_not_decoded():
     r.transport.reads[1].current = TransferState.FAILED
     finished, failed = drive(r, land=False)
     assert failed == {"r1"}
-    assert r.decoded == [("r1", (0,))]
+    # group 0 landed in the same run as the failed group 1: the load fails before the run is
+    # decoded (KV of a load that is recomputed is never written)
+    assert r.decoded == []
     assert r.failures() == {"transport": 1}
     # group 2 went out when group 0 landed and is still on the wire: its range stays quarantined
     assert len(r.transport.reads) == 3 and r.transport.reads[2].current is TransferState.PENDING
@@ -392,7 +422,8 @@ def test_a_load_waiting_for_a_quarantined_buffer_goes_ahead_once_it_is_reclaimed
     r.transport.reads[1].current = TransferState.DONE  # the stale READ landed after all
     finished, failed = drive(r)
     assert finished == {"r2"} and not failed
-    assert [rid for rid, _ in r.decoded] == ["r2"] * LAYERS
+    assert {rid for rid, _ in r.decoded} == {"r2"}
+    assert [layer for _, layers in r.decoded for layer in layers] == list(range(LAYERS))
     assert r.loader.quarantined_bytes == 0 and r.ranges.free_bytes == r.ranges.capacity
 
 
