@@ -41,12 +41,28 @@ from turbowire.serving.launch import (  # noqa: E402
 NAME = "tiny"
 
 
-def kv_config(connector: str, role: str, side_port: int, timeout_s: float) -> dict[str, Any]:
+def kv_config(connector: str, role: str, side_port: int, timeout_s: float,
+              extra: dict[str, Any]) -> dict[str, Any]:
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role,
                 "kv_connector_extra_config": {"backends": ["UCX"]}}
-    return turbowire_kv_config(role, preset="raw", side_channel_port=side_port,
-                               staging_bytes="256MiB", transfer_timeout_seconds=timeout_s)
+    return turbowire_kv_config(role, **{"preset": "raw", "side_channel_port": side_port,
+                                        "staging_bytes": "256MiB",
+                                        "transfer_timeout_seconds": timeout_s, **extra})
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs, the value JSON if it parses (numbers, objects), else a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: use key=value, e.g. connector_thread_cpus=auto")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -72,7 +88,8 @@ def run_pair(connector: str, bind: str, model: Path, args: argparse.Namespace,
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
             spec = EngineSpec(f"{connector}-{bind}-{name}", model, free_port(),
                               cpu=i if bind == "pinned" else None,
-                              kv_transfer_config=kv_config(connector, role, side, args.timeout),
+                              kv_transfer_config=kv_config(connector, role, side, args.timeout,
+                                                           parse_set(args.set)),
                               env=env, **common)
             engines.append(group.add(start_engine(spec, log_dir)))
         for e in engines:
@@ -108,6 +125,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="turbowire transfer_timeout_seconds (and the client's, + 60 s)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a turbowire config key for both engines (repeatable; JSON values), "
+                         "e.g. --set connector_thread_cpus=auto")
     ap.add_argument("--out", type=Path, default=Path("bench/results/starved_cpu"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -675,11 +675,11 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "or 4-7"),),
         ),
         "Cores of the connector's background threads (NIXL progress and UCX threads, the "
-        "worker's thread pool). `inherit`: vLLM's placement (on CPU engines, the OpenMP "
-        "master's core). `auto`: the cores of the engine process that started the worker. "
-        "A list: those cores. Pinning the engines themselves is what makes CPU transfers fast "
-        "(README, CPU engines). No effect where the platform has no thread affinity.",
-        default="inherit",
+        "worker's thread pool). `auto`: the cores of the engine process that started the worker "
+        "(vLLM's EngineCore), so the kernel can move them off the core vLLM binds the worker's "
+        "main thread to. `inherit`: vLLM's placement (on CPU engines, the OpenMP master's one "
+        "core). A list: those cores. No effect where the platform has no thread affinity.",
+        default="auto",
     ),
     ConfigKey(
         "transport",

@@ -9,12 +9,13 @@ the core where the decode worker's main thread spins waiting for its next step; 
 2-core machine, its threads stayed runnable with no CPU time for 10 s and more, and the first
 load timed out (bench/RESULTS.md, "Starved CPUs").
 
-``connector_thread_cpus: auto`` starts those threads on the cores of the engine process that
-spawned the worker (vLLM's EngineCore, the process vLLM itself leaves unpinned or gives the cores
-it reserves) instead; a list such as ``2,3`` or ``4-7`` names the cores. The default, ``inherit``,
-keeps vLLM's placement: measured, ``auto`` gets the progress thread CPU but the first load still
-stalls (the prefill worker's main thread stays on the shared core), so pinning each engine to its
-own cores remains the fix.
+``connector_thread_cpus: auto`` (the default) starts those threads on the cores of the engine
+process that spawned the worker (vLLM's EngineCore, the process vLLM itself leaves unpinned or
+gives the cores it reserves) instead; a list such as ``2,3`` or ``4-7`` names the cores;
+``inherit`` keeps vLLM's placement. Over UCX's TCP transport a READ is emulated with active
+messages, so the prefill engine's UCX thread must run for the wire-up and for every fragment of
+every READ: confined to the shared core it got too little CPU, and first loads of fresh engine
+pairs timed out; with ``auto`` they finish (bench/RESULTS.md, "Starved CPUs", sittings 5-6).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def test_bad_cpu_lists_are_refused(text):
 
 
 def test_config_key_accepts_auto_inherit_and_lists_and_names_itself_when_wrong():
-    assert TurboWireConfig.from_extra_config({}).connector_thread_cpus == "inherit"
+    assert TurboWireConfig.from_extra_config({}).connector_thread_cpus == "auto"
     for ok in ("auto", "0-1", "0,1"):
         assert TurboWireConfig.from_extra_config(
             {"connector_thread_cpus": ok}).connector_thread_cpus == ok
