@@ -687,6 +687,7 @@ BEST: dict[str, tuple[str, str]] = {}  # preset -> (encode config, decode config
 SWEEP = False  # --sweep: time the launch shapes above (they compile; a minute per preset)
 TRACE = False  # --trace: a torch.profiler timeline of one step per save variant, summarised
 PROFILE_LOAD = False  # --profile-load: cProfile of one load's landed -> finished
+TRACE_LOAD = False  # --trace-load: torch.profiler timeline of held loads, steps marked
 # --decode-variants: other launch shapes of the one-launch decode, timed at <= 8k tokens
 DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     "split2": dict(num_warps=2, tile_rows=16, decode_split=2),  # one program per stream
@@ -991,6 +992,17 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     direct = [load_once(200 + i, True) for i in range(n_loads)]
     r["decode_equal_direct_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
     d.gpu.decode_graphs = True
+    d.loader.merge_landed = False  # one decode call per landed READ (passes 1-4)
+    poison(d_caches, ref_dst)
+    per_group = [load_once(400 + i, True) for i in range(n_loads)]
+    r["decode_equal_per_group_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+    d.loader.merge_landed = True
+    if TRACE_LOAD:
+        poison(d_caches, ref_dst)
+        r["load_trace"] = trace_load(d, lambda i: load_meta(f"t{i}", rid, save, d_ids, preset),
+                                     f"{tokens}_{preset}", log)
+        r["decode_equal_traced_loads"] = all(torch.equal(d_caches[n], ref_dst[n])
+                                             for n in names)
     if PROFILE_LOAD:  # where the host time of one landed -> finished goes
         import cProfile
         import io
@@ -1031,6 +1043,8 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["load_eager_groups_ms"] = med(eager, "landed")
     r["load_eager_groups_launches"] = med(eager, "launches")
     r["load_no_graph_ms"] = med(direct, "landed")
+    r["load_per_group_ms"] = med(per_group, "landed")
+    r["load_per_group_launches"] = med(per_group, "launches")
     r["load_no_graph_launch_host_ms"] = med(direct, "launch_host")
     r["load_spread_ms"] = [min(x["landed"] for x in held), max(x["landed"] for x in held)]
     r["decode_equal_reference_shape"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
@@ -1092,7 +1106,8 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         f"{r['decode_one_launch_ms']:.3f} ms ({dec_name}) = {r['load_vs_one_launch']:.2f}x; "
         f"all at once {r['load_all_at_once_ms']:.3f} ms; a replay per group as handed over "
         f"{r['load_eager_groups_ms']:.3f} ms; without graph {r['load_no_graph_ms']:.3f}"
-        f" ms (launch {r['load_no_graph_launch_host_ms']:.3f}), {r['load_graph_replays']} "
+        f" ms (launch {r['load_no_graph_launch_host_ms']:.3f}); a decode call per READ "
+        f"{r['load_per_group_ms']:.3f} ms, {r['load_graph_replays']} "
         f"replays | host "
         f"{r['host_us_per_save_kv_layer']:.0f} us/layer, step plan "
         f"{r['host_ms_step_plan_build']:.2f} ms, load plan {r['host_ms_load_plan_build']:.2f} ms"
@@ -1108,6 +1123,90 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
 
 
 OUT_DIR: Path | None = None
+
+
+def trace_load(d, make_meta, tag: str, log, loads: int = 3) -> dict[str, Any]:
+    """A torch.profiler timeline (host + GPU) of held loads, the loader's and the GPU path's
+    steps marked with ``record_function``: where landed -> finished goes. The chrome trace is
+    saved beside the results; the last load's steps are summarised relative to "landed"."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from turbowire.connector import gpu_path
+
+    def marked(name: str, fn):
+        def wrapper(*a: Any, **k: Any) -> Any:
+            with record_function(name):
+                return fn(*a, **k)
+        return wrapper
+
+    lo = d.loader
+    on_instance = [(d, "get_transfer_results"), (lo, "_advance"), (lo, "_take_landed"),
+                   (lo, "_post_more"), (lo, "_decode_group"), (lo, "_complete"),
+                   (lo, "_release_async"), (d.gpu, "decode_group"), (d.gpu, "_flush")]
+    on_class = [(gpu_path._Launch, "check"), (gpu_path.PendingGroup, "result"),
+                (gpu_path.PendingGroup, "done")]
+    saved_instance = [(o, n, o.__dict__.get(n)) for o, n in on_instance]
+    saved_class = [(c, n, c.__dict__[n]) for c, n in on_class]
+    for o, n in on_instance:
+        setattr(o, n, marked(f"tw.{n}", getattr(o, n)))
+    for c, n in on_class:
+        setattr(c, n, marked(f"tw.{c.__name__}.{n}", c.__dict__[n]))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    transport = d.transport
+    try:
+        with profile(activities=activities) as prof:
+            for i in range(loads):
+                lm = make_meta(i)
+                sync()
+                transport.hold = True
+                with record_function("load.post"):
+                    d.start_load_kv(lm)
+                with record_function("load.landed"):
+                    transport.hold = False
+                    fin: set[str] = set()
+                    while f"t{i}" not in fin:
+                        f, x = d.get_transfer_results()
+                        if x:
+                            raise RuntimeError(f"traced load failed: {d.take_reports().reports}")
+                        fin |= f
+                sync()
+                d.take_reports()
+    finally:
+        for o, n, old in saved_instance:
+            if old is None:
+                o.__dict__.pop(n, None)
+            else:
+                setattr(o, n, old)
+        for c, n, old in saved_class:
+            setattr(c, n, old)
+    path = None
+    if OUT_DIR is not None:
+        path = OUT_DIR / f"load_trace_{tag}.json"
+        prof.export_chrome_trace(str(path))
+    events = prof.events()
+    landed = [e for e in events if e.name == "load.landed"]
+    if not landed:
+        return {"error": "no load.landed range in the trace"}
+    last = landed[-1]
+    t0, t1 = last.time_range.start, last.time_range.end
+    rows = []
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        if end < t0 or start > t1 + 2000:
+            continue
+        is_gpu = getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
+        if e.name.startswith("tw.") or is_gpu or e.name in ("cudaEventSynchronize",
+                                                             "cudaGraphLaunch",
+                                                             "cudaStreamSynchronize"):
+            rows.append({"name": ("gpu " if is_gpu else "") + e.name[:60],
+                         "start_us": round(start - t0, 1), "us": round(end - start, 1)})
+    rows.sort(key=lambda x: x["start_us"])
+    out = {"landed_us": round(t1 - t0, 1), "steps": rows[:120], "trace": str(path)}
+    log(f"  load trace {tag} (last of {loads} held loads, landed -> finished "
+        f"{out['landed_us']:.0f} us under the profiler):\n" + "\n".join(
+            f"    {x['start_us']:9.1f} +{x['us']:8.1f} us  {x['name']}" for x in rows[:80]))
+    return out
 
 
 def trace_steps(step, variants: list[str], tag: str, log) -> dict[str, Any]:
@@ -1332,8 +1431,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             "| + save, one batched launch | per-layer, high-priority side stream "
             "| per-layer + host sync | pre-plan path (encode_into per layer) | A/A noise "
             "| encode kernels alone ms (% of forward) | load ms/request: landed -> finished "
-            "| one-launch decode ms | load / one-launch | load, READs done at once (incl. plan "
-            "build) ms | start_load_kv ms (READs posted, plan built) |")
+            "| one-launch decode ms | load / one-launch | load, a decode call per READ ms "
+            "| load, READs done at once (incl. plan build) ms "
+            "| start_load_kv ms (READs posted, plan built) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ci = r["layer_pct_ci95"]
@@ -1344,7 +1444,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['layer+sync_pct']:+.2f}% | {r['legacy_pct']:+.2f}% | {r['aa_pct']:+.2f}% "
             f"| {r['encode_one_launch_ms']:.3f} ({r['encode_pct_of_forward']:.2f}%) "
             f"| {r['load_ms']:.3f} | {r['decode_one_launch_ms']:.3f} "
-            f"| {r['load_vs_one_launch']:.2f}x | {r['load_all_at_once_ms']:.3f} "
+            f"| {r['load_vs_one_launch']:.2f}x | {r['load_per_group_ms']:.3f} "
+            f"| {r['load_all_at_once_ms']:.3f} "
             f"({r['load_all_at_once_vs_one_launch']:.2f}x) | {r['load_post_ms']:.3f} |")
     return "\n".join(lines)
 
@@ -1366,13 +1467,16 @@ def main() -> int:
                     help="comma-separated names of DECODE_VARIANTS to time (<= 8k tokens)")
     ap.add_argument("--profile-load", action="store_true",
                     help="cProfile one load's landed -> finished")
+    ap.add_argument("--trace-load", action="store_true",
+                    help="torch.profiler timeline of held loads (saved as load_trace_*.json)")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after which no further case starts (0: none)")
     args = ap.parse_args()
-    global SWEEP, TRACE, PROFILE_LOAD, OUT_DIR, VARIANTS
+    global SWEEP, TRACE, PROFILE_LOAD, TRACE_LOAD, OUT_DIR, VARIANTS
     SWEEP = args.sweep
     TRACE = args.trace
     PROFILE_LOAD = args.profile_load
+    TRACE_LOAD = args.trace_load
     VARIANTS = [v for v in args.decode_variants.split(",") if v]
     for v in VARIANTS:
         if v not in DECODE_VARIANTS:
@@ -1441,6 +1545,8 @@ def main() -> int:
                     and r.get("decode_equal_reference_shape")
                     and r.get("decode_equal_graph_loads") and r.get("decode_equal_direct_loads")
                     and r.get("decode_equal_eager_loads")
+                    and r.get("decode_equal_per_group_loads")
+                    and r.get("decode_equal_traced_loads", True)
                     and spot.get("encode_equal_reference") and spot.get("decode_equal_reference"))
 
     cases = report["results"]

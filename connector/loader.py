@@ -243,6 +243,8 @@ class KVLoader:
         self._handshakes: dict[tuple[str, str, int], tuple[Future, float]] = {}
         self._jobs: list[LoadJob] = []
         self._finished: set[str] = set()
+        # loads completed in the last results(): lease release and metrics still to do
+        self._completed: list[tuple[LoadRequest, int, int, float, float]] = []
         self._failed: set[str] = set()
         self._reports: dict[str, LoadReport] = {}
         self._quarantine: list[Quarantined] = []
@@ -273,6 +275,7 @@ class KVLoader:
 
     def results(self) -> tuple[set[str], set[str]]:
         """(finished incl. failed, failed) since the last call."""
+        self._settle_completed()
         self._progress()
         finished, failed = self._finished | self._failed, self._failed
         self._finished, self._failed = set(), set()
@@ -334,7 +337,6 @@ class KVLoader:
         if job.transferred_at is None:
             job.transferred_at = time.perf_counter()
         transfer_seconds = job.transferred_at - job.posted
-        self._release_async(job.load)
         self._free_recv(job)
         self._complete(job, transfer_seconds, job.decode_seconds)
         return True
@@ -533,6 +535,8 @@ class KVLoader:
     def _post_more(self, job: LoadJob) -> None:
         """Keep READS_IN_FLIGHT layer groups on the wire. Posting every group at once made them
         share the link and land together at the end, leaving nothing to overlap the decode with."""
+        if len(job.xfers) >= len(job.groups):
+            return
         in_flight = sum(1 for g in range(len(job.xfers)) if not job.decoded[g])
         while in_flight < READS_IN_FLIGHT and len(job.xfers) < len(job.groups):
             local, remote = job.group_descs[len(job.xfers)]
@@ -558,17 +562,14 @@ class KVLoader:
         return time.perf_counter() - t0
 
     def _complete(self, job: LoadJob, transfer_seconds: float, decode_seconds: float) -> None:
+        """The load is finished and reported; its lease release and metrics wait for the next
+        ``results()`` (``_settle_completed``): vLLM schedules the request as soon as this call
+        returns, and neither needs to hold it up."""
         load = job.load
         tokens = sum(b.num_tokens for b in load.blocks)
         dense = tokens * self._dense_bytes_per_token
         wire = job.recv_nbytes
-        self.stats.record_recv(TRANSPORT, load.preset, dense, wire)
-        self.stats.observe(
-            "transfer_seconds", transfer_seconds, transport=TRANSPORT, preset=load.preset
-        )
-        self.stats.observe(
-            "decode_seconds", decode_seconds, transport=TRANSPORT, preset=load.preset
-        )
+        self._completed.append((load, dense, wire, transfer_seconds, decode_seconds))
         self._finished.add(load.request_id)
         self._reports[load.request_id] = LoadReport(
             tokens=tokens,
@@ -584,6 +585,20 @@ class KVLoader:
             "decode %.1f ms", load.request_id, tokens, wire, dense / max(wire, 1),
             job.wait_seconds * 1e3, transfer_seconds * 1e3, decode_seconds * 1e3,
         )
+
+    def _settle_completed(self) -> None:
+        """Release the leases of the loads completed since the last call and record their
+        metrics."""
+        completed, self._completed = self._completed, []
+        for load, dense, wire, transfer_seconds, decode_seconds in completed:
+            self._release_async(load)
+            self.stats.record_recv(TRANSPORT, load.preset, dense, wire)
+            self.stats.observe(
+                "transfer_seconds", transfer_seconds, transport=TRANSPORT, preset=load.preset
+            )
+            self.stats.observe(
+                "decode_seconds", decode_seconds, transport=TRANSPORT, preset=load.preset
+            )
 
     def _fail(self, job: LoadJob, reason: str, message: str) -> None:
         load = job.load
@@ -710,5 +725,7 @@ class KVLoader:
         self._executor.submit(call)
 
     def close(self) -> None:
-        """Drop pending handshakes (the executor and clients belong to the worker)."""
+        """Release what completed last, drop pending handshakes (the executor and clients
+        belong to the worker)."""
+        self._settle_completed()
         self._handshakes.clear()

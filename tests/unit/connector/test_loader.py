@@ -174,7 +174,10 @@ def drive(r: Rig, steps: int = 20, land: bool = True) -> tuple[set[str], set[str
         failed |= bad
         if not r.loader.pending:
             break
-    return finished, failed
+    # the next step (vLLM keeps stepping the loaded request): completed loads' releases and
+    # metrics go out there
+    f, bad = r.loader.results()
+    return finished | f, failed | bad
 
 
 def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases():
@@ -228,6 +231,35 @@ def test_no_more_than_two_reads_are_on_the_wire():
     r.loader.results()
     pending = [x for x in r.transport.reads if x.current is TransferState.PENDING]
     assert len(r.transport.reads) == 2 and len(pending) == 2 and not r.decoded
+
+
+def test_a_completed_load_is_reported_before_its_release_and_metrics_which_follow_next_call():
+    r = rig()
+    r.loader.start([request()])
+    finished: set[str] = set()
+    for _ in range(20):
+        for x in r.transport.reads:
+            x.current = TransferState.DONE
+        finished, _ = r.loader.results()
+        if finished:
+            break
+    assert finished == {"r1"}
+    def recorded() -> set[str]:
+        return {key.split("|")[0] for key in r.stats.data["histograms"]}
+
+    assert "release" not in r.client.calls and "transfer_seconds" not in recorded()
+    r.loader.results()
+    assert r.client.released == ["remote-r1"]
+    assert {"transfer_seconds", "decode_seconds"} <= recorded()
+    # close() sends what is still owed
+    r2 = rig()
+    r2.loader.start([request()])
+    while not r2.loader.take_reports():
+        for x in r2.transport.reads:
+            x.current = TransferState.DONE
+        r2.loader.results()
+    r2.loader.close()
+    assert r2.client.released == ["remote-r1"]
 
 
 def test_the_claim_and_the_release_present_the_lease_token_of_the_load():
