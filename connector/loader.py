@@ -31,6 +31,7 @@ import numpy as np
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout
 from turbowire.connector.metadata import LoadReport, LoadRequest, PeerAddress
+from turbowire.connector.sidechannel.client import PeerTimeoutError
 from turbowire.connector.spec import TRANSPORT
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import TurboWireConnectorStats
@@ -377,7 +378,12 @@ class KVLoader:
         if not future.done():
             return None
         del self._handshakes[peer.key]
-        info = future.result()  # raises the handshake's error for this job (retried next job)
+        try:
+            info = future.result()  # raises the handshake's error for this job (retried next job)
+        except PeerTimeoutError as exc:
+            if not self._may_retry(job, exc, "handshake"):
+                raise
+            return None  # the next call sends a new one
         self._check_peer_geometry(info, peer)
         agent = self._transport.add_peer(info.staging.agent_metadata)  # main thread only
         self._stale_agents.discard(agent)  # the same agent answered again: still in use
@@ -412,7 +418,13 @@ class KVLoader:
             return False
         if not job.claim.done():
             return False
-        reply = job.claim.result()
+        try:
+            reply = job.claim.result()
+        except PeerTimeoutError as exc:
+            if not self._may_retry(job, exc, "claim"):
+                raise
+            job.claim = None
+            return self._claimed(job)  # sends it again
         rid = job.load.remote_request_id
         if rid in reply.refused:
             raise LeaseRefusedError(
@@ -430,6 +442,21 @@ class KVLoader:
                 "(lease expired before the decode engine got to it; raise lease_seconds)",
             )
         job.claimed = True
+        return True
+
+    def _may_retry(self, job: LoadJob, exc: PeerTimeoutError, what: str) -> bool:
+        """Whether a side-channel call of ``job`` that timed out is sent again: yes while the
+        lease may still hold (``lease_seconds`` from the load's start, within
+        ``transfer_timeout_seconds``). A prefill engine starved of CPU answers late, not never
+        (bench/RESULTS.md "Starved CPUs"); a hung one fails the load once that window has
+        passed, as ``peer_unreachable``."""
+        window = min(self.config.lease_seconds, self.config.transfer_timeout_seconds)
+        if time.monotonic() + self.config.handshake_timeout_seconds > job.created + window:
+            return False
+        logger.warning(
+            "the %s for request %s timed out (%s); sending it again while its lease may hold",
+            what, job.load.request_id, exc,
+        )
         return True
 
     def _handshake_rpc(self, peer: PeerAddress) -> PeerInfo:

@@ -49,6 +49,11 @@ class PeerUnreachableError(SideChannelError):
     reason = "peer_unreachable"
 
 
+class PeerTimeoutError(PeerUnreachableError):
+    """The peer's side channel did not answer within ``handshake_timeout_seconds``: down, hung,
+    or only slow (a prefill engine starved of CPU answers late, not never)."""
+
+
 class SideChannelAuthError(SideChannelError):
     """The peer refused our token (or we sent none): set the same auth_token on both engines."""
 
@@ -167,7 +172,7 @@ class SideChannelClient:
                 "its subject alternative names; a peer serving plaintext fails this way too"
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return PeerUnreachableError(
+            return PeerTimeoutError(
                 f"{what}: side channel {where} did not answer within {self.timeout:g}s "
                 f"(handshake_timeout_seconds) ({details})"
             )

@@ -5,6 +5,8 @@ receive range quarantined while a READ may still write; late completions; failur
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -16,7 +18,7 @@ from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
 from turbowire.connector.loader import KVLoader, LocalEnd
 from turbowire.connector.metadata import LoadBlock, LoadRequest, PeerAddress
-from turbowire.connector.sidechannel.client import PeerInfo
+from turbowire.connector.sidechannel.client import PeerInfo, PeerTimeoutError
 from turbowire.connector.sidechannel.convert import StagingInfo
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import TurboWireConnectorStats, iter_counters
@@ -561,3 +563,47 @@ def test_a_successful_load_whose_release_cannot_get_through_is_counted():
     finished, failed = drive(r)
     assert finished == {"r1"} and not failed
     assert r.failures() == {"peer_unreachable": 1}  # the lease then expires on the prefill side
+
+
+def _times_out(times: int, call):
+    """``call`` raising the client's timeout the first ``times`` calls, then answering."""
+    left = [times]
+
+    def wrapped(*a, **k):
+        if left[0] > 0:
+            left[0] -= 1
+            raise PeerTimeoutError("heartbeat: side channel did not answer within 0.2s")
+        return call(*a, **k)
+
+    return wrapped
+
+
+def test_a_claim_or_handshake_that_times_out_is_sent_again_while_the_lease_may_hold(caplog):
+    """A prefill engine starved of CPU answers late (bench/RESULTS.md "Starved CPUs"): one
+    timed-out handshake and one timed-out claim cost a retry each, not the load."""
+    r = rig(handshake_timeout_seconds=0.2, lease_seconds=30)
+    r.client.handshake = _times_out(1, r.client.handshake)
+    r.client.heartbeat = _times_out(1, r.client.heartbeat)
+    r.loader.start([request()])
+    with caplog.at_level(logging.WARNING, logger="turbowire.connector.loader"):
+        finished, failed = drive(r)
+    assert finished == {"r1"} and not failed
+    assert r.client.calls.count("handshake") == 1 and r.client.calls.count("heartbeat") == 1
+    assert "handshake for request r1 timed out" in caplog.text
+    assert "claim for request r1 timed out" in caplog.text
+    assert r.failures() == {}
+
+
+def test_a_claim_that_keeps_timing_out_fails_the_load_once_the_lease_window_has_passed():
+    r = rig(handshake_timeout_seconds=0.2, lease_seconds=1)
+    r.client.heartbeat = _times_out(10**6, r.client.heartbeat)
+    r.loader.start([request()])
+    t0 = time.monotonic()
+    failed: set[str] = set()
+    while not failed and time.monotonic() - t0 < 5:
+        failed |= r.loader.results()[1]
+        time.sleep(0.02)
+    elapsed = time.monotonic() - t0
+    assert failed == {"r1"} and 0.8 - 0.2 <= elapsed < 2.0, elapsed
+    assert r.failures() == {"peer_unreachable": 1}
+    assert r.loader.take_reports()["r1"].failed == "peer_unreachable"
