@@ -46,14 +46,14 @@ once, the launch of each of the load's layer groups (one per READ, ``ChunkOffset
 the launch of all its layers are captured into CUDA graphs there too. Verification is part of
 the decode launch: each decode program checks the chunk it owns (header, geometry, layer, token
 range, tag, body checksum: the reference decoder's checks, ``triton_codec._verify_chunk``)
-before it writes anything, and writes that chunk only if it passed. Each landed group is handed
-over (``decode_group`` returns a handle, ``loader.PendingDecode``); the groups handed over in
-one pass of the loader are launched together when it first asks a handle whether it ran: one
-replay of the graph of exactly those layers (a group that landed alone, or all of them), else
-the groups' graphs back to back, else one direct launch per layer policy. One launch for groups
-that landed together: replaying each group's graph as it is handed over (``eager_groups``)
-starts the GPU earlier but costs a drain tail per launch (H200, Llama-3.1-8B shapes, 4k tokens,
-all 8 groups landed at once, pass 3: 0.70 ms landed -> finished, vs 0.35 ms for the one-launch
+before it writes anything, and writes that chunk only if it passed. The loader hands each run
+of groups that landed together over in one call (``decode_group`` returns a handle,
+``loader.PendingDecode``), and the captured launch of exactly those layers (a group that landed
+alone, or all of them) is replayed at once (``eager_groups``); a run with no graph of its own
+waits for the first ask whether it ran, then goes as the groups' graphs back to back, else one
+direct launch per layer policy. One launch for groups that landed together, not a replay per
+group: each launch ends in a drain tail (H200, Llama-3.1-8B shapes, 4k tokens, all 8 groups
+landed at once, pass 3: 0.70 ms landed -> finished, vs 0.35 ms for the one-launch
 decode; 3.19 vs 2.66 ms at 32k). The verdict comes back by a non-blocking copy into a pinned
 ring behind an event; the loader settles the handles whose event has completed and waits once,
 when every group of the load is decoded: one host synchronisation per load.
@@ -188,7 +188,7 @@ class GpuPaths:
         timing: bool = True,
         defer_layers: int = DEFER_LAYERS,
         decode_graphs: bool = True,
-        eager_groups: bool = False,
+        eager_groups: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -219,8 +219,9 @@ class GpuPaths:
         self._pending: list[list[tuple[Any, Any]]] = []
         self._loads: OrderedDict[int, _LoadPlans] = OrderedDict()
         self.decode_graphs = decode_graphs
-        # True: replay a group's captured launch as soon as it is handed over (one launch per
-        # group even when they land together; pass 3's behaviour, see decode_group)
+        # True: replay the captured launch of what is handed over at once (the loader hands a
+        # run of groups that landed together over in one call); False: wait until a handle of
+        # the load is first asked, so separate calls of one pass share a launch
         self.eager_groups = eager_groups
         self.graph_replays = 0
         self._warm: set[Any] = set()  # kernel keys launched directly (compiled)
@@ -461,12 +462,13 @@ class GpuPaths:
         else the captured launches of their groups back to back, else one direct launch per
         layer policy. One launch for the groups that landed together, not one per group: each
         launch ends in a tail where the SMs drain (H200, 4k tokens, 8 groups replayed one by
-        one: 0.70 ms landed -> finished vs 0.35 ms for one launch). With ``eager_groups`` a
-        group's captured launch is replayed at once instead. The launch's flags come back
-        through pinned memory behind an event: no host synchronisation unless ``result()`` must
-        wait. A chunk that fails verification is never written; the valid chunks launched with
-        it are (they are the same load's blocks, which vLLM recomputes once the load is
-        reported failed)."""
+        one: 0.70 ms landed -> finished vs 0.35 ms for one launch). With ``eager_groups`` (the
+        default: the loader hands a run of groups that landed together over in one call) the
+        captured launch of exactly the layers handed over is replayed at once. The launch's
+        flags come back through pinned memory behind an event: no host synchronisation unless
+        ``result()`` must wait. A chunk that fails verification is never written; the valid
+        chunks launched with it are (they are the same load's blocks, which vLLM recomputes once
+        the load is reported failed)."""
         entry = self._entry(load, recv_offset, chunk_offsets)
         queued = entry.queued
         if queued is not None and queued.stop != layers.start:
