@@ -952,6 +952,9 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         t3 = time.perf_counter()
         if failed:
             raise RuntimeError(f"load failed: {d.take_reports().reports}")
+        # the engine's next step (vLLM polls every step): the finished load's lease release and
+        # metrics go out there, not inside the next load's window
+        d.get_transfer_results()
         rep = d.take_reports().reports[f"d{i}"]
         out = {"post": (t1 - t0) * 1e3, "landed": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3,
                "decode": rep.decode_seconds * 1e3, "launches": len(flushes)}
@@ -1173,6 +1176,7 @@ def trace_load(d, make_meta, tag: str, log, loads: int = 3) -> dict[str, Any]:
                             raise RuntimeError(f"traced load failed: {d.take_reports().reports}")
                         fin |= f
                 sync()
+                d.get_transfer_results()  # the next step: release and metrics of this load
                 d.take_reports()
     finally:
         for o, n, old in saved_instance:
