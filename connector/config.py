@@ -635,7 +635,10 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey(
         "handshake_timeout_seconds",
         Seconds(0.1),
-        "Timeout of side-channel calls (handshake, claim, release, heartbeat).",
+        "Timeout of side-channel calls (handshake, claim, release, heartbeat). A handshake or "
+        "claim that times out is sent again while the lease may still hold (`lease_seconds` "
+        "from the load's start): a CPU-starved prefill engine answers late, a hung one fails "
+        "the load as `peer_unreachable` after that window.",
         default=5.0,
     ),
     ConfigKey(

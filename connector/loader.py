@@ -749,7 +749,10 @@ class KVLoader:
                 if count_failure:
                     self.stats.record_failure("peer_unreachable")
 
-        self._executor.submit(call)
+        try:
+            self._executor.submit(call)
+        except RuntimeError:  # the worker's pool is shut down (engine exit): send it from here
+            call()
 
     def close(self) -> None:
         """Release what completed last, drop pending handshakes (the executor and clients

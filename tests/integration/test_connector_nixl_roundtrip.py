@@ -166,6 +166,7 @@ def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, 
             finished |= f
             failed |= x
             time.sleep(0.01)
+        d_worker.get_transfer_results()  # the engine's next step: the lease release goes out
         report = d_worker.take_reports().reports["d-req"]
         if corrupt:
             assert finished == {"d-req"} and failed == {"d-req"}

@@ -145,7 +145,10 @@ class Pair:
         out = []
         deadline = time.monotonic() + 10
         while self.p_sched.pool.snapshot().used_slots and time.monotonic() < deadline:
-            time.sleep(0.02)  # the release is fire-and-forget on the decode worker's executor
+            # the engine keeps stepping: a finished load's release goes out at the next step,
+            # fire-and-forget on the decode worker's executor
+            self.d_worker.get_transfer_results()
+            time.sleep(0.02)
         snap = self.p_sched.pool.snapshot()
         if snap.used_slots or snap.leases:
             out.append(f"staging:{snap.used_slots}slots/{snap.leases}leases")

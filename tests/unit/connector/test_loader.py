@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -260,6 +260,10 @@ def test_a_completed_load_is_reported_before_its_release_and_metrics_which_follo
         for x in r2.transport.reads:
             x.current = TransferState.DONE
         r2.loader.results()
+    # the worker shuts its pool down before it closes the loader (engine exit)
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    r2.loader._executor = pool
     r2.loader.close()
     assert r2.client.released == ["remote-r1"]
 
