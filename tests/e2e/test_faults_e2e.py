@@ -393,8 +393,9 @@ def test_prefill_killed_fail_policy_is_a_clean_error_and_the_engine_keeps_servin
 
 def test_stalled_prefill_quarantines_the_receive_range_and_gives_it_back(faults):
     """SIGSTOP the prefill engine after it answered: drec's claim times out (2 s) and is sent
-    again while the lease may hold (lease_seconds, 6 s), then the prompt is recomputed, and the READs it had posted stay PENDING, so their receive range is quarantined
-    (never decoded from, never handed to another load). After SIGCONT the READs end and the
+    again while the lease may hold (lease_seconds, 6 s), then the prompt is recomputed, and the
+    READs it had posted stay PENDING, so their receive range is quarantined (never decoded from,
+    never handed to another load). After SIGCONT the READs end and the
     range comes back: a load needing ~94 % of the 64 KiB buffer then goes through at once
     (before the fix it waited for transfer_timeout_seconds and failed ``timeout``)."""
     f = faults
