@@ -8,9 +8,9 @@ landed (nothing is decoded before the claim confirms the lease) while the later 
 on the wire, each run of consecutive groups that landed together in one decode call. A decode
 may come back as a handle still running on the GPU (``PendingDecode``): the load finishes once
 all of them ran and none refused a chunk (one wait per load, when its last group is handed
-over); then it tells the prefill engine to release the lease. Any failure lands in the failed
-set with its metric reason; a READ that may still be writing when its load fails keeps its
-receive range quarantined.
+over); it reports the load finished and, at the next poll, tells the prefill engine to release
+the lease. Any failure lands in the failed set with its metric reason; a READ that may still be
+writing when its load fails keeps its receive range quarantined.
 
 Everything it talks to is injected (transport, side-channel clients, executor, the decode of a
 layer group into the paged cache), so a fake transport can unit-test it
