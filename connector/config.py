@@ -40,6 +40,7 @@ DEFAULT_NIXL_PROGRESS_DELAY_US = 100
 MIN_LEASE_SECONDS = 1.0
 MIN_AUTH_TOKEN_CHARS = 8
 TRANSPORTS = ("nixl", "store", "both")
+SAVE_SCHEDULES = ("layerwise", "after_forward")
 STORE_URL_SCHEMES = ("redis://", "rediss://")
 DEFAULT_STORE_LOCAL_CPU_BYTES = 1 << 30
 DEFAULT_STORE_TTL_SECONDS = 3600.0
@@ -663,6 +664,20 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         default=DEFAULT_DECODE_PIPELINE_GROUPS,
     ),
     ConfigKey(
+        "save_schedule",
+        Choice(SAVE_SCHEDULES),
+        "When a prefill engine encodes a step's KV into the staging pool. `layerwise`: each "
+        "layer from `save_kv_layer` (on GPUs on a side stream, while the next layers compute: "
+        "the cheapest, bench/RESULTS.md 'GPU connector path'); vLLM then runs PIECEWISE CUDA "
+        "graphs only (the connector asks for it: a FULL graph would capture `save_kv_layer` once "
+        "and skip it on replay). `after_forward`: every layer in `wait_for_save`, after the "
+        "forward (one launch on GPUs); `save_kv_layer` does nothing, so vLLM keeps FULL CUDA "
+        "graphs (its default FULL_AND_PIECEWISE). Use it on decode engines (`kv_consumer`: they "
+        "stage nothing for NIXL; the Helm chart sets it there), or where FULL graphs are worth "
+        "more than the overlap.",
+        default="layerwise",
+    ),
+    ConfigKey(
         "nixl_progress_delay_us",
         Int(0, 1_000_000, " (0 = NIXL's busy-polling progress thread)"),
         "Sleep of the NIXL agent's progress thread between polls, in microseconds. NIXL's Python "
@@ -797,6 +812,7 @@ class TurboWireConfig:
     transfer_timeout_seconds: float = _default("transfer_timeout_seconds")
     min_transfer_tokens: int = _default("min_transfer_tokens")
     decode_pipeline_groups: int = _default("decode_pipeline_groups")
+    save_schedule: str = _default("save_schedule")
     nixl_progress_delay_us: int = _default("nixl_progress_delay_us")
     connector_thread_cpus: str = _default("connector_thread_cpus")
     transport: str = _default("transport")

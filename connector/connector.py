@@ -107,7 +107,15 @@ class TurboWireConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # save_kv_layer runs between layers; full CUDA graphs would skip it
+        """True unless ``save_schedule`` is ``after_forward``: a layerwise save runs between
+        layers (``save_kv_layer``), which a FULL CUDA graph would capture once and skip on
+        replay. vLLM passes only the extra config (not the role), so a decode engine says so
+        with ``save_schedule: after_forward`` (the Helm chart sets it)."""
+        from turbowire.connector.config import CONFIG_KEYS_BY_NAME
+
+        key = CONFIG_KEYS_BY_NAME["save_schedule"]
+        raw = (extra_config or {}).get(key.name, key.default_value())
+        return key.kind.parse(key.name, raw) != "after_forward"
 
     @classmethod
     def build_kv_connector_stats(

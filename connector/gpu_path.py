@@ -33,7 +33,9 @@ encode kernels ran beside a forward kernel at 4k).
 CUDA graphs. vLLM calls ``save_kv_layer`` from the attention op, which is the split point of its
 piecewise CUDA graphs: under PIECEWISE the per-layer launch always runs eagerly between two
 captured pieces, and ``requires_piecewise_for_cudagraph`` returns True so FULL graphs (where the
-attention op, and this call, would be captured once and skipped on replay) are never used. The
+attention op, and this call, would be captured once and skipped on replay) are never used, unless
+``save_schedule`` is ``after_forward`` (``mode="batched"``: ``save_kv_layer`` does nothing, the
+encode runs in ``wait_for_save``, outside the graphs; decode engines, which stage nothing). The
 launch itself could be captured (the bench captures one layer's encode and replays it: host
 45-86 us eager -> 6-13 us replayed, the same GPU time), but a graph bakes in the step's tables
 and grid, which change every step (blocks, slots, chunk counts), and the host time it would

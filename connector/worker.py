@@ -63,6 +63,8 @@ class TurboWireWorker:
         self.vllm_config = vllm_config
         self.config = config
         self.engine_id = engine_id
+        # save_schedule: encode each layer from save_kv_layer, or all of them in wait_for_save
+        self._layerwise = config.save_schedule == "layerwise"
         setup = EngineSetup.build(vllm_config, kv_cache_config, config)
         self.is_producer, self.is_consumer = setup.is_producer, setup.is_consumer
         self.geometry, self.codec = setup.geometry, setup.codec
@@ -186,8 +188,8 @@ class TurboWireWorker:
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, meta: TurboWireConnectorMetadata
     ) -> None:
-        if not meta.saves or self.staging is None:
-            return
+        if not meta.saves or self.staging is None or not self._layerwise:
+            return  # after_forward: every layer is encoded in wait_for_save
         layer = self.layer_index.get(layer_name)
         if layer is None or layer in self._saved_layers:
             return
@@ -231,7 +233,8 @@ class TurboWireWorker:
 
     def _gpu_paths(self) -> GpuPaths:
         return gpu_path.GpuPaths(self.codec, self.geometry, self.layout, self.caches,
-                                 self.staging, self.recv, self.chunk_nbytes)
+                                 self.staging, self.recv, self.chunk_nbytes,
+                                 mode="layer" if self._layerwise else "batched")
 
     def _finish_gpu_save(self, meta: TurboWireConnectorMetadata) -> None:
         """The GPU path's ``wait_for_save``: the layers vLLM did not hand over are encoded, the

@@ -32,9 +32,10 @@ FP8_SCALES = (0.05, 0.08)
 
 
 def engine(preset: str, port: int, engine_id: str, role: str = "kv_both", groups: int = 8,
-           fp8_scales: tuple[float, float] | None = None):
+           fp8_scales: tuple[float, float] | None = None, save_schedule: str = "layerwise"):
     extra = {"preset": preset, "staging_bytes": "2MiB", "side_channel_port": port,
-             "lease_seconds": 5, "decode_pipeline_groups": groups}
+             "lease_seconds": 5, "decode_pipeline_groups": groups,
+             "save_schedule": save_schedule}
     ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role=role,
                            kv_connector_extra_config=extra, engine_id=engine_id)
     vcfg = SimpleNamespace(
@@ -95,19 +96,21 @@ def make_caches(fp8: bool, fill_random: bool) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "preset,local_hit_blocks,groups,corrupt,fp8",
-    [("raw", 0, 1, False, False), ("raw", 1, 8, False, False), ("tq4", 0, 8, False, False),
-     ("tq4", 0, 2, False, False), ("tq4", 0, 8, True, False), ("raw", 0, 2, False, True),
-     ("tq4", 1, 8, False, True)],
+    "preset,local_hit_blocks,groups,corrupt,fp8,schedule",
+    [("raw", 0, 1, False, False, "layerwise"), ("raw", 1, 8, False, False, "layerwise"),
+     ("tq4", 0, 8, False, False, "layerwise"), ("tq4", 0, 2, False, False, "layerwise"),
+     ("tq4", 0, 8, True, False, "layerwise"), ("raw", 0, 2, False, True, "layerwise"),
+     ("tq4", 1, 8, False, True, "layerwise"), ("tq4", 0, 8, False, False, "after_forward")],
 )
-def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, fp8):
+def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, fp8, schedule):
     from turbowire.serving.launch import free_port
 
     n = 100  # 3 full blocks + 4 tokens
     p_port = free_port()
-    tag = f"{preset}-{local_hit_blocks}-{groups}-{corrupt}-{fp8}"
+    tag = f"{preset}-{local_hit_blocks}-{groups}-{corrupt}-{fp8}-{schedule}"
     scales = FP8_SCALES if fp8 else None
-    p_sched, p_worker = engine(preset, p_port, f"P-{tag}", fp8_scales=scales)
+    p_sched, p_worker = engine(preset, p_port, f"P-{tag}", fp8_scales=scales,
+                               save_schedule=schedule)
     d_sched, d_worker = engine(preset, free_port(), f"D-{tag}", groups=groups, fp8_scales=scales)
     torch.manual_seed(0)
     p_caches = make_caches(fp8, fill_random=True)

@@ -304,6 +304,12 @@ def test_kv_transfer_config_is_accepted_by_the_connector(
         assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
         extra = extras[role] = kv["kv_connector_extra_config"]
         own = set(values.get("turbowire", {}).get("extraConfig", {}))
+        # a decode engine saves after the forward (FULL CUDA graphs) unless extraConfig says
+        want_schedule = values.get("turbowire", {}).get("extraConfig", {}).get(
+            "save_schedule", "after_forward" if role == "decode" else None)
+        assert extra.get("save_schedule") == want_schedule, extra
+        if role == "decode":
+            own |= {"save_schedule"}
         if tls_on(values):
             own |= TLS_KEYS
             assert {k: extra[k] for k in TLS_KEYS} == {
@@ -422,7 +428,27 @@ def test_store_values_are_not_rendered_with_nixl(chart) -> None:
         extra = json.loads(arg_after(container["args"], "--kv-transfer-config"))[
             "kv_connector_extra_config"
         ]
-        assert set(extra) == {"preset", "side_channel_port", "side_channel_host"}
+        role = dep["metadata"]["labels"]["app.kubernetes.io/component"]
+        decode_only = {"save_schedule"} if role == "decode" else set()
+        assert set(extra) == {"preset", "side_channel_port", "side_channel_host"} | decode_only
+
+
+def test_decode_engines_save_after_the_forward_unless_extra_config_says_otherwise(chart) -> None:
+    """The decode engine stages nothing for NIXL: ``save_schedule: after_forward`` lets vLLM keep
+    its FULL CUDA graphs (the connector asks for PIECEWISE only for a layerwise save)."""
+    from turbowire.connector.connector import TurboWireConnector
+
+    for given, want in ((None, {"prefill": None, "decode": "after_forward"}),
+                        ("layerwise", {"prefill": "layerwise", "decode": "layerwise"})):
+        values = {} if given is None else {"turbowire": {"extraConfig": {"save_schedule": given}}}
+        for dep in engines(render(chart, values)):
+            role = dep["metadata"]["labels"]["app.kubernetes.io/component"]
+            (container,) = dep["spec"]["template"]["spec"]["containers"]
+            extra = json.loads(arg_after(container["args"], "--kv-transfer-config"))[
+                "kv_connector_extra_config"]
+            assert extra.get("save_schedule") == want[role]
+            piecewise = TurboWireConnector.requires_piecewise_for_cudagraph(extra)
+            assert piecewise is (want[role] != "after_forward")
 
 
 @pytest.mark.parametrize("transport", ["store", "both"])

@@ -150,7 +150,8 @@ store_namespace and the turbowire.store values that are set), the TLS files of
 turbowire.sideChannel.tls when it is on, and turbowire.extraConfig. The keys
 the chart sets are refused in extraConfig (generate.py RESERVED_KEYS names the same), so no value
 silently overrides another. With transport nixl no transport or store key is rendered (the
-connector's default is nixl).
+connector's default is nixl). Decode engines get save_schedule after_forward (they stage nothing
+for NIXL, so vLLM keeps its FULL CUDA graphs) unless extraConfig sets it.
 */}}
 {{- define "turbowire.kvTransferConfig" -}}
 {{- $root := index . 0 -}}
@@ -191,6 +192,10 @@ connector's default is nixl).
 {{- end -}}
 {{- end -}}
 {{- $extra = merge $extra (deepCopy $v.turbowire.extraConfig) -}}
+{{- if and (ne $role "prefill") (not (hasKey $extra "save_schedule")) -}}
+{{- /* a decode engine stages nothing for NIXL: keep vLLM's FULL CUDA graphs */ -}}
+{{- $_ := set $extra "save_schedule" "after_forward" -}}
+{{- end -}}
 {{- $kvRole := ternary "kv_producer" "kv_consumer" (eq $role "prefill") -}}
 {{- dict "kv_connector" "TurboWireConnector" "kv_connector_module_path" "turbowire.connector" "kv_role" $kvRole "kv_connector_extra_config" $extra | toJson -}}
 {{- end -}}

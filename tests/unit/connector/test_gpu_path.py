@@ -66,9 +66,9 @@ class FakeTransport:
         pass
 
 
-def make_worker(monkeypatch, preset: str, gpu: bool, mode: str = "layer"):
+def make_worker(monkeypatch, preset: str, gpu: bool, mode: str = "layer", **more):
     monkeypatch.setattr(worker_mod, "make_transport", lambda config, name: FakeTransport())
-    extra = {"preset": preset, "staging_bytes": "1MiB", "decode_pipeline_groups": 2}
+    extra = {"preset": preset, "staging_bytes": "1MiB", "decode_pipeline_groups": 2, **more}
     ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role="kv_both",
                            kv_connector_extra_config=extra, engine_id=f"e-{preset}-{gpu}")
     vcfg = SimpleNamespace(
@@ -516,3 +516,48 @@ def test_a_refused_gpu_decode_fails_the_load_and_abandons_the_rest():
     # the run decoded after the refused group is queued behind it: never waited for
     assert abandoned == [(2, 3)]
     assert not loader.pending
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_save_schedule_after_forward_encodes_nothing_per_layer_and_everything_at_wait(
+        monkeypatch, gpu):
+    """``save_schedule: after_forward`` (FULL CUDA graphs skip save_kv_layer on replay): the
+    per-layer calls stage nothing, wait_for_save stages what the layerwise path stages."""
+    src = gpu_caches(seed=4)
+    ref = make_worker(monkeypatch, "tq4", False)
+    register(ref, src, False)
+    w = make_worker(monkeypatch, "tq4", gpu, save_schedule="after_forward")
+    w.register_kv_caches(src)
+    if gpu:  # what the worker builds on CUDA caches, forced on the CPU's interpreter
+        w.gpu = gpu_path.GpuPaths(w.codec, w.geometry, w.layout, w.caches, w.staging, w.recv,
+                                  w.chunk_nbytes, mode="batched", kernel_config=SMALL)
+        assert w._gpu_paths().mode == "batched"
+    meta = save_meta()
+    for name in LAYERS:
+        ref.save_kv_layer(name, src[name], meta)
+    ref.wait_for_save(meta)
+    w.staging.fill_(0x5A)
+    before = w.staging.clone()
+    for name in LAYERS:
+        w.save_kv_layer(name, src[name], meta)
+    assert torch.equal(w.staging, before) and not w._saved_layers
+    if gpu:
+        assert w.gpu._step is None and w.gpu._noted is None
+    w.wait_for_save(meta)
+    written = w.staging != before
+    assert written.any()
+    assert torch.equal(w.staging[written], ref.staging[written])
+    assert sent(w) == sent(ref)
+
+
+def test_the_connector_asks_for_piecewise_graphs_unless_the_save_is_after_the_forward():
+    from turbowire.connector.config import ConnectorConfigError
+    from turbowire.connector.connector import TurboWireConnector
+
+    assert TurboWireConnector.requires_piecewise_for_cudagraph({}) is True
+    assert TurboWireConnector.requires_piecewise_for_cudagraph(
+        {"save_schedule": "layerwise"}) is True
+    assert TurboWireConnector.requires_piecewise_for_cudagraph(
+        {"preset": "tq4", "save_schedule": "after_forward"}) is False
+    with pytest.raises(ConnectorConfigError, match="save_schedule='per_step' is unknown"):
+        TurboWireConnector.requires_piecewise_for_cudagraph({"save_schedule": "per_step"})
