@@ -100,6 +100,7 @@ class LoadJob:
     handshake_seconds: float = 0.0
     claim: Future | None = None
     claimed: bool = False
+    tokens: int = 0  # of all blocks, counted when the READs are posted
 
 
 @dataclass
@@ -324,8 +325,13 @@ class KVLoader:
         # each run of consecutive landed groups in one call (``merge_landed``); the next READs
         # go out before a run is decoded, so the link stays busy while the CPU/GPU decodes, and
         # groups that land meanwhile are taken by the next run
-        while (layers := self._take_landed(job)) is not None:
-            job.decode_seconds += self._decode_group(job, layers)
+        while (landed := self._take_landed(job)) is not None:
+            layers, handles = landed
+            try:
+                job.decode_seconds += self._decode_group(job, layers)
+            finally:  # after the launch: a NIXL release is host time the decode need not wait
+                for xfer in handles:
+                    xfer.release()
         done = len(job.xfers) == len(job.groups) and all(job.decoded)
         # GPU decodes: settle those that ran (a refusal fails the load now); once every group
         # is decoded, wait for the rest: the one host synchronisation of the load
@@ -342,27 +348,35 @@ class KVLoader:
         self._complete(job, transfer_seconds, job.decode_seconds)
         return True
 
-    def _take_landed(self, job: LoadJob) -> range | None:
-        """The layers of the next run of landed groups (their READs released, the next READs
-        posted), None if the next group has not landed. With ``merge_landed`` off, one group per
+    def _take_landed(self, job: LoadJob) -> tuple[range, list[Transfer]] | None:
+        """The layers of the next run of landed groups and their READ handles (the caller
+        releases them once the run's decode is launched, even if it raises), the next READs
+        posted; None if the next group has not landed. With ``merge_landed`` off, one group per
         run: a decode call per READ."""
         g = next((i for i, d in enumerate(job.decoded) if not d), len(job.xfers))
         first = g
-        while g < len(job.xfers):
-            state = job.xfers[g].state()
-            if state is TransferState.PENDING:
-                break
-            if state is TransferState.FAILED:
-                raise LoadFailed("transport", f"NIXL READ of layer group {g} finished in error")
-            job.xfers[g].release()
-            job.decoded[g] = True  # even if decoding raises: the handle is released
-            g += 1
-            self._post_more(job)  # before the decode; a READ posted here may have landed too
-            if not self.merge_landed:
-                break
+        handles: list[Transfer] = []
+        try:
+            while g < len(job.xfers):
+                state = job.xfers[g].state()
+                if state is TransferState.PENDING:
+                    break
+                if state is TransferState.FAILED:
+                    raise LoadFailed("transport",
+                                     f"NIXL READ of layer group {g} finished in error")
+                handles.append(job.xfers[g])
+                job.decoded[g] = True  # handed over: its handle is the caller's to release
+                g += 1
+                self._post_more(job)  # before the decode; a READ posted here may have landed
+                if not self.merge_landed:
+                    break
+        except BaseException:
+            for xfer in handles:  # landed, never decoded: the load fails, the handles go
+                xfer.release()
+            raise
         if g == first:
             return None
-        return range(job.groups[first].start, job.groups[g - 1].stop)
+        return range(job.groups[first].start, job.groups[g - 1].stop), handles
 
     def _peer_for(self, job: LoadJob) -> PeerState | None:
         peer = job.load.peer
@@ -536,6 +550,7 @@ class KVLoader:
         if start is None:
             return False  # wait for other loads to free the buffer
         job.recv_offset, job.recv_nbytes, job.chunk_offsets = start, cursor, offsets
+        job.tokens = sum(b.num_tokens for b in load.blocks)  # for the report, not after the wait
         job.groups = groups
         base = self._recv_base + start
         n = len(load.blocks)
@@ -593,7 +608,7 @@ class KVLoader:
         ``results()`` (``_settle_completed``): vLLM schedules the request as soon as this call
         returns, and neither needs to hold it up."""
         load = job.load
-        tokens = sum(b.num_tokens for b in load.blocks)
+        tokens = job.tokens
         dense = tokens * self._dense_bytes_per_token
         wire = job.recv_nbytes
         self._completed.append((load, dense, wire, transfer_seconds, decode_seconds))

@@ -218,6 +218,32 @@ def test_groups_that_land_together_are_one_decode_call_and_a_later_one_its_own()
     assert [layers for _, layers in r.decoded] == [(0, 1), (2,), (3,)]
 
 
+def test_landed_read_handles_are_released_after_their_decode_is_launched():
+    r = rig()
+    seen: list[list[bool]] = []
+    decode = r.loader._decode
+
+    def watching(load, layers, recv_offset, chunk_offsets):
+        seen.append([x.released for x in r.transport.reads])
+        return decode(load, layers, recv_offset, chunk_offsets)
+
+    r.loader._decode = watching
+    r.loader.start([request()])
+    assert drive(r) == ({"r1"}, set())
+    # the handles of the run being decoded are still held during the call, then released
+    assert seen[0][:2] == [False, False]
+    assert all(x.released for x in r.transport.reads)
+
+
+def test_landed_read_handles_are_released_when_their_decode_raises():
+    r = rig(decode_error=BlockIndexError("block 9 out of range"))
+    r.loader.start([request()])
+    _, failed = drive(r)
+    assert failed == {"r1"}
+    ended = [x for x in r.transport.reads if x.current is not TransferState.PENDING]
+    assert ended and all(x.released for x in ended)
+
+
 def test_merge_landed_off_decodes_one_group_per_call():
     r = rig()
     r.loader.merge_landed = False
