@@ -660,7 +660,9 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         Int(1, MAX_DECODE_PIPELINE_GROUPS, " (1 = one READ, decode after it)"),
         "The decode engine READs a request's chunks in this many groups of layers (one NIXL READ "
         "each, two on the wire at a time) and decodes each group into the cache as soon as it "
-        "lands, while the next group is on the wire. `1` = one READ, decode after it.",
+        "lands, while the next group is on the wire. When a poll (one per engine step) finds "
+        "both landed, the link is faster than the steps: every group left goes out in one READ. "
+        "`1` = one READ, decode after it.",
         default=DEFAULT_DECODE_PIPELINE_GROUPS,
     ),
     ConfigKey(

@@ -3,14 +3,15 @@
 Each load handshakes with the prefill engine once (cached per peer, in a thread so the engine
 loop never blocks on the network), READs exactly the chunk bytes of the needed (block, layer)
 pairs into the receive buffer, one READ per group of layers (``decode_pipeline_groups``, two in
-flight), claims the prefill lease while they move, and decodes each group as soon as it has
-landed (nothing is decoded before the claim confirms the lease) while the later groups are still
-on the wire, each run of consecutive groups that landed together in one decode call. A decode
-may come back as a handle still running on the GPU (``PendingDecode``): the load finishes once
-all of them ran and none refused a chunk (one wait per load, when its last group is handed
-over); it reports the load finished and, at the next poll, tells the prefill engine to release
-the lease. Any failure lands in the failed set with its metric reason; a READ that may still be
-writing when its load fails keeps its receive range quarantined.
+flight; once a poll finds both landed, the link outpaces the engine's polls and every group left
+goes out in one READ), claims the prefill lease while they move, and decodes each group as soon
+as it has landed (nothing is decoded before the claim confirms the lease) while the later groups
+are still on the wire, each run of consecutive groups that landed together in one decode call.
+A decode may come back as a handle still running on the GPU (``PendingDecode``): the load
+finishes once all of them ran and none refused a chunk (one wait per load, when its last group
+is handed over); it reports the load finished and, at the next poll, tells the prefill engine
+to release the lease. Any failure lands in the failed set with its metric reason; a READ that
+may still be writing when its load fails keeps its receive range quarantined.
 
 Everything it talks to is injected (transport, side-channel clients, executor, the decode of a
 layer group into the paged cache), so a fake transport can unit-test it
@@ -53,6 +54,17 @@ READS_IN_FLIGHT = 2
 PEER_FAILURES = frozenset({"transport", "peer_unreachable", "timeout"})
 
 
+def _distinct(xfers: Iterator[Transfer]) -> list[Transfer]:
+    """Each transfer once, in order (one READ may carry several layer groups)."""
+    seen: set[int] = set()
+    out = []
+    for x in xfers:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
 class LoadFailed(TurboWireError):
     """A load failed; ``reason`` is the metric label (timeout, lease_expired, bounds, ...)."""
 
@@ -88,7 +100,7 @@ class LoadJob:
     recv_nbytes: int = 0
     chunk_offsets: Mapping[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     groups: list[range] = field(default_factory=list)  # layers of each READ
-    xfers: list[Transfer] = field(default_factory=list)  # posted READs, in group order
+    xfers: list[Transfer] = field(default_factory=list)  # the READ of each posted group
     group_descs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     peer_agent: str = ""
     decoded: list[bool] = field(default_factory=list)
@@ -255,6 +267,9 @@ class KVLoader:
         # hand a run of groups that landed together to one decode call (False: one call per
         # group, as before; the GPU bench measures both)
         self.merge_landed = True
+        # post every group left in one READ when a poll finds the link idle (False: two READs
+        # in flight until the end, as before; the GPU bench measures both)
+        self.coalesce_idle = True
 
     @property
     def pending(self) -> int:
@@ -357,14 +372,18 @@ class KVLoader:
         first = g
         handles: list[Transfer] = []
         try:
+            if self.coalesce_idle and self._link_idle(job, g):
+                self._post_more(job, rest=True)
             while g < len(job.xfers):
-                state = job.xfers[g].state()
+                xfer = job.xfers[g]
+                state = xfer.state()
                 if state is TransferState.PENDING:
                     break
                 if state is TransferState.FAILED:
                     raise LoadFailed("transport",
                                      f"NIXL READ of layer group {g} finished in error")
-                handles.append(job.xfers[g])
+                if not handles or handles[-1] is not xfer:  # one READ may carry several groups
+                    handles.append(xfer)
                 job.decoded[g] = True  # handed over: its handle is the caller's to release
                 g += 1
                 self._post_more(job)  # before the decode; a READ posted here may have landed
@@ -574,23 +593,47 @@ class KVLoader:
             self.prepare(load, start, offsets)
         return True
 
-    def _post_more(self, job: LoadJob) -> None:
+    @staticmethod
+    def _link_idle(job: LoadJob, g: int) -> bool:
+        """Every READ posted and not yet decoded has landed (from group ``g`` on) and groups are
+        left to post: the link went idle before this poll, i.e. the READs land faster than the
+        engine polls (vLLM polls once per step)."""
+        if len(job.xfers) >= len(job.groups) or g >= len(job.xfers):
+            return False
+        return all(job.xfers[i].state() is not TransferState.PENDING
+                   for i in range(g, len(job.xfers)))
+
+    def _post_more(self, job: LoadJob, rest: bool = False) -> None:
         """Keep READS_IN_FLIGHT layer groups on the wire. Posting every group at once made them
-        share the link and land together at the end, leaving nothing to overlap the decode with."""
+        share the link and land together at the end, leaving nothing to overlap the decode with.
+        ``rest``: every group not posted yet, in one READ (the link went idle waiting for a poll:
+        two at a time would cost a poll, an engine step, per two groups)."""
         if len(job.xfers) >= len(job.groups):
+            return
+        if rest:
+            todo = range(len(job.xfers), len(job.groups))
+            local = np.concatenate([job.group_descs[i][0] for i in todo])
+            remote = np.concatenate([job.group_descs[i][1] for i in todo])
+            self._post_read(job, local, remote, len(todo))
             return
         in_flight = sum(1 for g in range(len(job.xfers)) if not job.decoded[g])
         while in_flight < READS_IN_FLIGHT and len(job.xfers) < len(job.groups):
             local, remote = job.group_descs[len(job.xfers)]
-            try:
-                xfer = self._transport.read(job.peer_agent, local, remote, self.mem_type)
-            except TransportError:
-                if not job.xfers:
-                    self._free_recv(job)
-                raise  # READs already posted may still land: _fail quarantines the range
-            job.xfers.append(xfer)
-            job.decoded.append(False)
+            self._post_read(job, local, remote, 1)
             in_flight += 1
+
+    def _post_read(self, job: LoadJob, local: np.ndarray, remote: np.ndarray,
+                   groups: int) -> None:
+        """One READ carrying the next ``groups`` layer groups (``job.xfers`` holds it once per
+        group)."""
+        try:
+            xfer = self._transport.read(job.peer_agent, local, remote, self.mem_type)
+        except TransportError:
+            if not job.xfers:
+                self._free_recv(job)
+            raise  # READs already posted may still land: _fail quarantines the range
+        job.xfers.extend([xfer] * groups)
+        job.decoded.extend([False] * groups)
 
 
     def _decode_group(self, job: LoadJob, layers: range) -> float:
@@ -655,10 +698,10 @@ class KVLoader:
             except Exception as exc:  # noqa: BLE001 - the load has failed already
                 logger.debug("abandoning a decode of %s: %s", load.request_id, exc)
         job.pending.clear()
-        in_flight = [
+        in_flight = _distinct(
             x for g, x in enumerate(job.xfers)
             if not job.decoded[g] and x.state() is TransferState.PENDING
-        ]
+        )
         if in_flight and job.recv_offset is not None:
             # A READ may still write into the receive range: not reused before it ended.
             self._quarantine.append(
@@ -675,10 +718,12 @@ class KVLoader:
             self._free_recv(job)
         if reason in PEER_FAILURES:
             self._forget_peer(load.peer)
-        for g, x in enumerate(job.xfers):
-            if not job.decoded[g] and x.state() is not TransferState.PENDING:
-                x.release()
-                job.decoded[g] = True
+        ended = [g for g, x in enumerate(job.xfers)
+                 if not job.decoded[g] and x.state() is not TransferState.PENDING]
+        for x in _distinct(job.xfers[g] for g in ended):
+            x.release()
+        for g in ended:
+            job.decoded[g] = True
         self._release_async(load, count_failure=False)  # its failure is counted above
         self._failed.add(load.request_id)
         self._reports[load.request_id] = LoadReport(failed=reason)

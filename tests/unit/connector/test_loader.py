@@ -188,9 +188,10 @@ def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases(
     assert r.client.calls[:1] == ["handshake"]
     finished, failed = drive(r)
     assert finished == {"r1"} and not failed
-    # two READs in flight land by each poll: each pair is decoded in one call
+    # the two READs in flight land by the next poll: decoded in one call; that poll found the
+    # link idle, so groups 2-3 went out in one READ
     assert [layers for _, layers in r.decoded] == [(0, 1), (2, 3)]
-    assert len(r.transport.reads) == 4 and all(x.released for x in r.transport.reads)
+    assert len(r.transport.reads) == 3 and all(x.released for x in r.transport.reads)
     assert r.client.calls.index("heartbeat") < r.client.calls.index("release")
     assert r.client.released == ["remote-r1"]
     assert r.ranges.free_bytes == r.ranges.capacity  # receive range given back
@@ -201,6 +202,7 @@ def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases(
 
 def test_groups_that_land_together_are_one_decode_call_and_a_later_one_its_own():
     r = rig()
+    r.loader.coalesce_idle = False  # two READs in flight to the end (a slow link's pattern)
     r.loader.start([request()])
     r.loader.results()
     first, second = r.transport.reads
@@ -242,6 +244,74 @@ def test_landed_read_handles_are_released_when_their_decode_raises():
     assert failed == {"r1"}
     ended = [x for x in r.transport.reads if x.current is not TransferState.PENDING]
     assert ended and all(x.released for x in ended)
+
+
+def test_a_poll_that_finds_the_link_idle_posts_every_group_left_in_one_read():
+    r = rig()
+    r.loader.start([request()])
+    r.loader.results()  # the handshake's answer: the first two READs go out
+    first, second = r.transport.reads
+    first.current = TransferState.DONE
+    r.loader.results()  # group 1 still on the wire: the pipeline goes on, two in flight
+    assert len(r.transport.reads) == 3 and [lay for _, lay in r.decoded] == [(0,)]
+    second.current = TransferState.DONE
+    r.transport.reads[2].current = TransferState.DONE
+    r.loader.results()  # nothing left on the wire: group 3 goes out alone (all that is left)
+    assert len(r.transport.reads) == 4 and r.transport.reads[3].nbytes > 0
+    assert drive(r) == ({"r1"}, set())
+    assert sorted(sum((lay for _, lay in r.decoded), ())) == [0, 1, 2, 3]
+
+
+def test_the_rest_goes_out_in_one_read_carrying_every_group_left_released_once():
+    r = rig()
+    released: list[int] = []
+    r.loader.start([request()])
+    r.loader.results()  # the handshake's answer: the first two READs go out
+    for x in r.transport.reads:
+        x.current = TransferState.DONE
+    r.loader.results()  # both landed by this poll: groups 2-3 in one READ, 0-1 decoded
+    assert len(r.transport.reads) == 3
+    rest = r.transport.reads[2]
+    sizes = r.loader._jobs[0].group_descs
+    assert rest.nbytes == int(sizes[2][0][:, 1].sum() + sizes[3][0][:, 1].sum())
+    real = rest.release
+    rest.release = lambda: (released.append(1), real())
+    assert drive(r) == ({"r1"}, set())
+    assert [lay for _, lay in r.decoded] == [(0, 1), (2, 3)] and released == [1]
+    assert r.ranges.free_bytes == r.ranges.capacity
+
+
+def test_a_failed_read_carrying_several_groups_fails_the_load_and_is_released_once():
+    r = rig()
+    released: list[int] = []
+    r.loader.start([request()])
+    r.loader.results()  # the handshake's answer: the first two READs go out
+    for x in r.transport.reads:
+        x.current = TransferState.DONE
+    r.loader.results()
+    rest = r.transport.reads[2]
+    real = rest.release
+    rest.release = lambda: (released.append(1), real())
+    rest.current = TransferState.FAILED
+    _, failed = drive(r)
+    assert failed == {"r1"} and r.failures() == {"transport": 1} and released == [1]
+    assert r.ranges.free_bytes == r.ranges.capacity
+
+
+def test_a_pending_read_carrying_several_groups_is_quarantined_once():
+    r = rig(decode_error=BlockIndexError("block 9 out of range"))
+    r.loader.coalesce_idle = True
+    r.loader.start([request()])
+    r.loader.results()  # the handshake's answer: the first two READs go out
+    for x in r.transport.reads:
+        x.current = TransferState.DONE
+    _, failed = r.loader.results()  # the rest posted (pending), then group 0-1's decode raises
+    assert failed == {"r1"} and len(r.transport.reads) == 3
+    (q,) = r.loader._quarantine
+    assert q.xfers == [r.transport.reads[2]]
+    r.transport.reads[2].current = TransferState.DONE
+    r.loader.results()
+    assert not r.loader._quarantine and r.ranges.free_bytes == r.ranges.capacity
 
 
 def test_merge_landed_off_decodes_one_group_per_call():
