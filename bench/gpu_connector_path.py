@@ -275,10 +275,14 @@ class FakeTransfer:
     def __init__(self, nbytes: int, transport: FakeTransport) -> None:
         self.nbytes = nbytes
         self.transport = transport
+        self.index = transport.posted
+        transport.posted += 1
 
     def state(self) -> TransferState:
         # the bytes are in the receive buffer already: the READ has "landed" unless held
-        return TransferState.PENDING if self.transport.hold else TransferState.DONE
+        t = self.transport
+        held = t.hold or (t.hold_from is not None and self.index >= t.hold_from)
+        return TransferState.PENDING if held else TransferState.DONE
 
     def release(self) -> None:
         pass
@@ -288,6 +292,8 @@ class FakeTransport:
     name = "fake"
     agent_name = "bench-agent"
     hold = False  # READs stay PENDING while set (the bench lands them all at one instant)
+    hold_from: int | None = None  # READs posted from this count on stay PENDING while set
+    posted = 0
 
     def register(self, tensor: Any) -> None:
         pass
@@ -913,38 +919,73 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     flushes: list[tuple[float, float]] = []
     real_flush = d.gpu._flush
 
+    gpu_marks: list[tuple[Any, Any]] = []  # timing events around each flush: its GPU time
+    mark_gpu = [False]  # only in loads of their own: the events' records are host time too
+
     def timed_flush(entry):
         t0 = time.perf_counter()
+        e0 = None
+        if mark_gpu[0]:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
         try:
             real_flush(entry)
         finally:
+            if e0 is not None:
+                e1 = torch.cuda.Event(enable_timing=True)
+                e1.record()
+                gpu_marks.append((e0, e1))
             flushes.append((t0, time.perf_counter()))
 
     d.gpu._flush = timed_flush
     replays: list[float] = []
     real_replay = torch.cuda.CUDAGraph.replay
 
+    replay_starts: list[float] = []
+
     def timed_replay(graph) -> None:
         t0 = time.perf_counter()
+        replay_starts.append(t0)
         real_replay(graph)
         replays.append(time.perf_counter() - t0)
 
     torch.cuda.CUDAGraph.replay = timed_replay
+    waits: list[tuple[float, float]] = []  # the verdict's event waits: (entered, returned)
+    real_sync = torch.cuda.Event.synchronize
 
-    def load_once(i: int, hold: bool) -> dict[str, float]:
+    def timed_sync(event) -> None:
+        t0 = time.perf_counter()
+        real_sync(event)
+        waits.append((t0, time.perf_counter()))
+
+    torch.cuda.Event.synchronize = timed_sync
+
+    def load_once(i: int, hold: bool, two_polls: bool = False) -> dict[str, float]:
         """hold: the READs are posted and stay on the "wire" until every one lands at once;
-        else they are done when posted (start_load_kv does everything)."""
+        else they are done when posted (start_load_kv does everything). two_polls: the first
+        two READs land, one poll (it posts the rest in one READ), then the rest lands."""
         lm = load_meta(f"d{i}", rid, save, d_ids, preset)
         sync()
         flushes.clear()
         replays.clear()
+        replay_starts.clear()
+        waits.clear()
+        gpu_marks.clear()
         transport.hold = hold
+        first = transport.posted
         t0 = time.perf_counter()
         d.start_load_kv(lm)
         t1 = time.perf_counter()
+        if two_polls:
+            transport.hold_from = first + 2
         transport.hold = False
         t2 = time.perf_counter()
         fin, failed = set(), set()
+        if two_polls:
+            f, x = d.get_transfer_results()
+            fin |= f
+            failed |= x
+            transport.hold_from = None
         while f"d{i}" not in fin:
             f, x = d.get_transfer_results()
             fin |= f
@@ -963,8 +1004,18 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
             out["to_first_launch"] = (flushes[0][0] - base) * 1e3
             out["launch_host"] = sum(b - a for a, b in flushes) * 1e3
             out["after_last_launch"] = (t3 - flushes[-1][1]) * 1e3
+        out["replays"] = len(replays)
         if replays:
             out["replay_host"] = sum(replays) * 1e3
+            base = t2 if hold else t0
+            out["to_first_replay"] = (replay_starts[0] - base) * 1e3
+        if waits:  # host time after the last verdict came back (bookkeeping, report)
+            out["after_verdict"] = (t3 - waits[-1][1]) * 1e3
+            out["verdict_wait"] = sum(b - a for a, b in waits) * 1e3
+            out["verdict_back"] = (waits[-1][1] - (t2 if hold else t0)) * 1e3
+        if gpu_marks:  # GPU time from the first flush's start to the last's end
+            real_sync(gpu_marks[-1][1])
+            out["launch_gpu"] = gpu_marks[0][0].elapsed_time(gpu_marks[-1][1])
         return out
 
     for i in range(3):
@@ -983,6 +1034,9 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
 
     poison(d_caches, ref_dst)
     held = [load_once(i, True) for i in range(n_loads)]
+    mark_gpu[0] = torch.cuda.is_available()  # the GPU time of the launches, in loads of their own
+    marked = [load_once(50 + i, True) for i in range(min(n_loads, 8))]
+    mark_gpu[0] = False
     r["load_graph_replays"] = d.gpu.graph_replays - replays0
     r["decode_equal_graph_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
     now = [load_once(100 + i, False) for i in range(n_loads)]
@@ -1002,6 +1056,14 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     per_group = [load_once(400 + i, True) for i in range(n_loads)]
     r["decode_equal_per_group_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
     d.loader.merge_landed = True
+    poison(d_caches, ref_dst)  # the first two READs land, a poll, then the rest: two runs
+    two_polls = [load_once(600 + i, True, two_polls=True) for i in range(n_loads)]
+    r["decode_equal_two_poll_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+    d.loader.coalesce_idle = False  # two READs in flight to the end (pass 6): 6 posts at landing
+    poison(d_caches, ref_dst)
+    pairwise = [load_once(500 + i, True) for i in range(n_loads)]
+    r["decode_equal_pairwise_loads"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
+    d.loader.coalesce_idle = True
     if TRACE_LOAD:
         poison(d_caches, ref_dst)
         r["load_trace"] = trace_load(d, lambda i: load_meta(f"t{i}", rid, save, d_ids, preset),
@@ -1030,6 +1092,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         log("  cProfile of one landed -> finished (graphs on):\n" + buf.getvalue()[-3500:])
     d.gpu._flush = real_flush
     torch.cuda.CUDAGraph.replay = real_replay
+    torch.cuda.Event.synchronize = real_sync
 
     def med(rows, key):
         vals = [x[key] for x in rows if key in x]
@@ -1042,6 +1105,12 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["load_after_last_launch_ms"] = med(held, "after_last_launch")
     r["load_launches"] = med(held, "launches")  # flushes: one per group replayed
     r["load_replay_host_ms"] = med(held, "replay_host")  # inside the flushes: graph replays
+    r["load_to_first_replay_ms"] = med(held, "to_first_replay")  # landed -> GPU work queued
+    r["load_launch_gpu_ms"] = med(marked, "launch_gpu")  # GPU: first flush start -> last end
+    r["load_marked_ms"] = med(marked, "landed")  # the same loads, timing events recorded too
+    r["load_verdict_wait_ms"] = med(held, "verdict_wait")  # host blocked on the verdict
+    r["load_after_verdict_ms"] = med(held, "after_verdict")  # verdict back -> reported
+    r["load_verdict_back_ms"] = med(held, "verdict_back")  # landed -> the verdict's wait returned
     r["load_decode_groups_ms"] = med(held, "decode")
     r["load_all_at_once_ms"] = med(now, "total")  # READs done when posted: plan build included
     r["load_all_at_once_launches"] = med(now, "launches")
@@ -1050,6 +1119,11 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["load_no_graph_ms"] = med(direct, "landed")
     r["load_per_group_ms"] = med(per_group, "landed")
     r["load_per_group_launches"] = med(per_group, "launches")
+    r["load_pairwise_reads_ms"] = med(pairwise, "landed")
+    r["load_two_polls_ms"] = med(two_polls, "landed")
+    r["load_two_polls_launches"] = med(two_polls, "launches")
+    r["load_two_polls_replays"] = statistics.median(x.get("replays", 0) for x in two_polls)
+    r["load_pairwise_to_first_replay_ms"] = med(pairwise, "to_first_replay")
     r["load_no_graph_launch_host_ms"] = med(direct, "launch_host")
     r["load_spread_ms"] = [min(x["landed"] for x in held), max(x["landed"] for x in held)]
     r["decode_equal_reference_shape"] = all(torch.equal(d_caches[n], ref_dst[n]) for n in names)
@@ -1107,12 +1181,19 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         f"load landed->finished {r['load_ms']:.3f} ms (post {r['load_post_ms']:.3f}, to launch "
         f"{r['load_to_first_launch_ms']:.3f}, launch {r['load_launch_host_ms']:.3f} (replays "
         f"{r['load_replay_host_ms'] or 0:.3f}), after "
-        f"{r['load_after_last_launch_ms']:.3f}, {r['load_launches']} launches) vs 1-launch "
+        f"{r['load_after_last_launch_ms']:.3f}, {r['load_launches']} launches; to first "
+        f"replay {r['load_to_first_replay_ms'] or 0:.3f}, GPU {r['load_launch_gpu_ms'] or 0:.3f}"
+        f", verdict wait {r['load_verdict_wait_ms'] or 0:.3f}, after verdict "
+        f"{r['load_after_verdict_ms'] or 0:.3f}) vs 1-launch "
         f"{r['decode_one_launch_ms']:.3f} ms ({dec_name}) = {r['load_vs_one_launch']:.2f}x; "
         f"all at once {r['load_all_at_once_ms']:.3f} ms; launch deferred to the first ask "
         f"{r['load_deferred_launch_ms']:.3f} ms; without graph {r['load_no_graph_ms']:.3f}"
         f" ms (launch {r['load_no_graph_launch_host_ms']:.3f}); a decode call per READ "
-        f"{r['load_per_group_ms']:.3f} ms, {r['load_graph_replays']} "
+        f"{r['load_per_group_ms']:.3f} ms; first two READs, a poll, the rest "
+        f"{r['load_two_polls_ms']:.3f} ms ({r['load_two_polls_launches']} launches, "
+        f"{r['load_two_polls_replays']} replays); two READs in flight to the end "
+        f"{r['load_pairwise_reads_ms']:.3f} ms (to first replay "
+        f"{r['load_pairwise_to_first_replay_ms'] or 0:.3f}), {r['load_graph_replays']} "
         f"replays | host "
         f"{r['host_us_per_save_kv_layer']:.0f} us/layer, step plan "
         f"{r['host_ms_step_plan_build']:.2f} ms, load plan {r['host_ms_load_plan_build']:.2f} ms"
@@ -1552,6 +1633,8 @@ def main() -> int:
                     and r.get("decode_equal_graph_loads") and r.get("decode_equal_direct_loads")
                     and r.get("decode_equal_eager_loads")
                     and r.get("decode_equal_per_group_loads")
+                    and r.get("decode_equal_pairwise_loads")
+                    and r.get("decode_equal_two_poll_loads")
                     and r.get("decode_equal_traced_loads", True)
                     and spot.get("encode_equal_reference") and spot.get("decode_equal_reference"))
 
