@@ -44,8 +44,9 @@ GPU work per layer. It stays outside the graphs.
 
 Load (decode). The decode plan of a load is built when its READs are posted (``prepare_load``,
 the loader's hook), while the bytes move, and, once the kernels have been launched directly
-once, the launch of each of the load's layer groups (one per READ, ``ChunkOffsets.groups``) and
-the launch of all its layers are captured into CUDA graphs there too. Verification is part of
+once, the launch of each of the load's layer groups (``ChunkOffsets.groups``), of all its
+layers, and of the first two READs' groups and the rest (the runs the loader hands over when the
+link outpaces its polls) are captured into CUDA graphs there too. Verification is part of
 the decode launch: each decode program checks the chunk it owns (header, geometry, layer, token
 range, tag, body checksum: the reference decoder's checks, ``triton_codec._verify_chunk``)
 before it writes anything, and writes that chunk only if it passed. The loader hands each run
@@ -499,8 +500,10 @@ class GpuPaths:
         return ranges
 
     def _capture(self, entry: _LoadPlans, groups: Sequence[range]) -> None:
-        """Capture the verify + decode launch of each layer group, and of all layers when there
-        are several groups, into CUDA graphs (at ``prepare_load``, while the bytes move),
+        """Capture the verify + decode launch of each layer group, and of the runs of groups the
+        loader hands over together when the link outpaces the engine's polls (all layers; the
+        first two READs' groups, then the rest: ``_likely_runs``), into CUDA graphs (at
+        ``prepare_load``, while the bytes move),
         replayed by ``_flush``: one replay instead of a Triton launch per layer policy (~35-75
         us of host time each on the H200 machine), with the flags' pinned slots and the event
         made here. Only kernels this path launched (compiled) before are captured (a group with
@@ -509,8 +512,7 @@ class GpuPaths:
             return
         todo = []
         n_layers = self.geometry.num_layers
-        if len(groups) > 1:
-            groups = [*groups, range(n_layers)]
+        groups = [*groups, *_likely_runs(groups, n_layers)]
         for layers in groups:
             ranges = [r for r in self._ranges(entry, layers) if r[0].flag(r[1]) is not None]
             keys = set().union(*(plan.kernel_keys(lo, hi) for plan, lo, hi in ranges))
@@ -637,6 +639,24 @@ class GpuPaths:
         entry.graphs = {}
         if self._loads.get(id(entry.load)) is entry:
             del self._loads[id(entry.load)]
+
+
+def _likely_runs(groups: Sequence[range], n_layers: int) -> list[range]:
+    """Runs of layer groups the loader hands over in one call besides single groups: all
+    layers (every READ landed by one poll), and with more than ``READS_IN_FLIGHT`` groups the
+    groups of the first READs, then the rest (a poll found the first READs landed and posted
+    the rest in one READ, see ``loader._link_idle``)."""
+    from turbowire.connector.loader import READS_IN_FLIGHT
+
+    if len(groups) <= 1:
+        return []
+    runs = [range(n_layers)]
+    if len(groups) > READS_IN_FLIGHT:
+        split = groups[READS_IN_FLIGHT - 1].stop
+        runs += [range(groups[0].start, split), range(split, n_layers)]
+    if len(groups) == READS_IN_FLIGHT + 1:  # the rest is one group: captured already
+        runs.pop()
+    return runs
 
 
 def _upload(graph: Any, stream: Any) -> None:

@@ -25,7 +25,8 @@ from turbowire.connector.worker import TurboWireWorker
 pytestmark = pytest.mark.integration
 
 BS, HEADS, DIM, NUM_BLOCKS = 32, 2, 64, 48
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(5)]  # 5 groups: 2 READs, the rest in one
+# 5 layers, 5 groups: two READs, then one READ of the other three (the loader's coalescing)
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
 
 
 FP8_SCALES = (0.05, 0.08)

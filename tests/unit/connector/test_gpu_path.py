@@ -561,3 +561,16 @@ def test_the_connector_asks_for_piecewise_graphs_unless_the_save_is_after_the_fo
         {"preset": "tq4", "save_schedule": "after_forward"}) is False
     with pytest.raises(ConnectorConfigError, match="save_schedule='per_step' is unknown"):
         TurboWireConnector.requires_piecewise_for_cudagraph({"save_schedule": "per_step"})
+
+
+def test_the_graphs_cover_single_groups_all_layers_and_the_first_reads_then_the_rest():
+    from turbowire.connector.loader import layer_groups
+
+    def runs(n_layers, n_groups):
+        groups = layer_groups(n_layers, n_groups)
+        return [(r.start, r.stop) for r in gpu_path._likely_runs(groups, n_layers)]
+
+    assert runs(32, 8) == [(0, 32), (0, 8), (8, 32)]
+    assert runs(5, 3) == [(0, 5), (0, 4)]  # the rest is group 2 alone: captured as a group
+    assert runs(4, 2) == [(0, 4)]
+    assert runs(4, 1) == []
