@@ -102,6 +102,8 @@ class LoadJob:
     groups: list[range] = field(default_factory=list)  # layers of each READ
     xfers: list[Transfer] = field(default_factory=list)  # the READ of each posted group
     group_descs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    desc_all: tuple[np.ndarray, np.ndarray] | None = None  # every group's rows, group_descs' base
+    group_rows: list[int] = field(default_factory=list)  # first row of each group, then the end
     peer_agent: str = ""
     decoded: list[bool] = field(default_factory=list)
     pending: list[PendingDecode] = field(default_factory=list)  # decodes not settled yet
@@ -258,7 +260,7 @@ class KVLoader:
         self._jobs: list[LoadJob] = []
         self._finished: set[str] = set()
         # loads completed in the last results(): lease release and metrics still to do
-        self._completed: list[tuple[LoadRequest, int, int, float, float]] = []
+        self._completed: list[tuple[LoadRequest, LoadReport]] = []
         self._failed: set[str] = set()
         self._reports: dict[str, LoadReport] = {}
         self._quarantine: list[Quarantined] = []
@@ -348,6 +350,12 @@ class KVLoader:
                 for xfer in handles:
                     xfer.release()
         done = len(job.xfers) == len(job.groups) and all(job.decoded)
+        if done:
+            if job.transferred_at is None:
+                job.transferred_at = time.perf_counter()
+            # the bookkeeping first, while the GPU decodes: the range is given back before the
+            # wait below, which returns (or fails the load) before anything can reuse it
+            self._free_recv(job)
         # GPU decodes: settle those that ran (a refusal fails the load now); once every group
         # is decoded, wait for the rest: the one host synchronisation of the load
         t0 = time.perf_counter()
@@ -356,11 +364,7 @@ class KVLoader:
         job.decode_seconds += time.perf_counter() - t0
         if not done:
             return False
-        if job.transferred_at is None:
-            job.transferred_at = time.perf_counter()
-        transfer_seconds = job.transferred_at - job.posted
-        self._free_recv(job)
-        self._complete(job, transfer_seconds, job.decode_seconds)
+        self._complete(job, job.transferred_at - job.posted, job.decode_seconds)
         return True
 
     def _take_landed(self, job: LoadJob) -> tuple[range, list[Transfer]] | None:
@@ -574,17 +578,19 @@ class KVLoader:
         base = self._recv_base + start
         n = len(load.blocks)
         local_addr = base + offsets.offsets.reshape(-1)
-        job.group_descs = []
-        for layers in groups:
-            lo, hi = layers.start * n, layers.stop * n
-            job.group_descs.append((
-                np.stack([local_addr[lo:hi], flat[lo:hi],
-                          np.full(hi - lo, self._recv_device, np.int64)], axis=1)
-                .astype(np.uint64),
-                np.stack([remote_addr[lo:hi], flat[lo:hi],
-                          np.full(hi - lo, staging.device_id, np.int64)], axis=1)
-                .astype(np.uint64),
-            ))
+        # (addr, len, dev) rows of every chunk, layer-major: a group's READ, or the READ of all
+        # groups left, is a slice (a view, nothing copied when it is posted)
+        local_all = np.stack([local_addr, flat, np.full(flat.size, self._recv_device, np.int64)],
+                             axis=1).astype(np.uint64)
+        remote_all = np.stack([remote_addr, flat,
+                               np.full(flat.size, staging.device_id, np.int64)],
+                              axis=1).astype(np.uint64)
+        job.desc_all = (local_all, remote_all)
+        job.group_rows = [layers.start * n for layers in groups] + [flat.size]
+        job.group_descs = [
+            (local_all[lo:hi], remote_all[lo:hi])
+            for lo, hi in zip(job.group_rows[:-1], job.group_rows[1:], strict=True)
+        ]
         job.peer_agent = peer.agent
         job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
         job.wait_seconds = time.monotonic() - job.created
@@ -611,10 +617,9 @@ class KVLoader:
         if len(job.xfers) >= len(job.groups):
             return
         if rest:
-            todo = range(len(job.xfers), len(job.groups))
-            local = np.concatenate([job.group_descs[i][0] for i in todo])
-            remote = np.concatenate([job.group_descs[i][1] for i in todo])
-            self._post_read(job, local, remote, len(todo))
+            first = job.group_rows[len(job.xfers)]
+            local, remote = job.desc_all[0][first:], job.desc_all[1][first:]
+            self._post_read(job, local, remote, len(job.groups) - len(job.xfers))
             return
         in_flight = sum(1 for g in range(len(job.xfers)) if not job.decoded[g])
         while in_flight < READS_IN_FLIGHT and len(job.xfers) < len(job.groups):
@@ -654,9 +659,7 @@ class KVLoader:
         tokens = job.tokens
         dense = tokens * self._dense_bytes_per_token
         wire = job.recv_nbytes
-        self._completed.append((load, dense, wire, transfer_seconds, decode_seconds))
-        self._finished.add(load.request_id)
-        self._reports[load.request_id] = LoadReport(
+        report = LoadReport(
             tokens=tokens,
             dense_bytes=dense,
             wire_bytes=wire,
@@ -665,24 +668,28 @@ class KVLoader:
             handshake_seconds=job.handshake_seconds,
             wait_seconds=job.wait_seconds,
         )
-        logger.debug(
-            "loaded %s: %d tokens, %d wire B (%.2fx), wait %.1f ms, transfer %.1f ms, "
-            "decode %.1f ms", load.request_id, tokens, wire, dense / max(wire, 1),
-            job.wait_seconds * 1e3, transfer_seconds * 1e3, decode_seconds * 1e3,
-        )
+        self._completed.append((load, report))
+        self._finished.add(load.request_id)
+        self._reports[load.request_id] = report
 
     def _settle_completed(self) -> None:
         """Release the leases of the loads completed since the last call and record their
         metrics."""
         completed, self._completed = self._completed, []
-        for load, dense, wire, transfer_seconds, decode_seconds in completed:
+        for load, rep in completed:
             self._release_async(load)
-            self.stats.record_recv(TRANSPORT, load.preset, dense, wire)
+            self.stats.record_recv(TRANSPORT, load.preset, rep.dense_bytes, rep.wire_bytes)
             self.stats.observe(
-                "transfer_seconds", transfer_seconds, transport=TRANSPORT, preset=load.preset
+                "transfer_seconds", rep.transfer_seconds, transport=TRANSPORT, preset=load.preset
             )
             self.stats.observe(
-                "decode_seconds", decode_seconds, transport=TRANSPORT, preset=load.preset
+                "decode_seconds", rep.decode_seconds, transport=TRANSPORT, preset=load.preset
+            )
+            logger.debug(
+                "loaded %s: %d tokens, %d wire B (%.2fx), wait %.1f ms, transfer %.1f ms, "
+                "decode %.1f ms", load.request_id, rep.tokens, rep.wire_bytes,
+                rep.dense_bytes / max(rep.wire_bytes, 1), rep.wait_seconds * 1e3,
+                rep.transfer_seconds * 1e3, rep.decode_seconds * 1e3,
             )
 
     def _fail(self, job: LoadJob, reason: str, message: str) -> None:

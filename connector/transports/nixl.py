@@ -185,8 +185,11 @@ class NixlTransport:
             raise TransportError("local and remote descriptor lengths differ")
         nbytes = int(local[:, 1].sum())
         try:
-            local_descs = self.agent.get_xfer_descs(local.astype(np.uint64), mem_type)
-            remote_descs = self.agent.get_xfer_descs(remote.astype(np.uint64), mem_type)
+            # no copy when the rows already are contiguous uint64 (the loader's are)
+            local_descs = self.agent.get_xfer_descs(
+                np.ascontiguousarray(local, dtype=np.uint64), mem_type)
+            remote_descs = self.agent.get_xfer_descs(
+                np.ascontiguousarray(remote, dtype=np.uint64), mem_type)
             handle = self.agent.initialize_xfer(
                 "READ", local_descs, remote_descs, peer, notif, backends=self.backends
             )
