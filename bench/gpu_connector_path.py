@@ -45,6 +45,7 @@ results.md and log.txt under --out ($OUT).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -649,6 +650,16 @@ class Forward:
             worker.wait_for_save(meta)
 
 
+def freeze_gc_heap() -> None:
+    """What vLLM's EngineCore does once it has started (vllm.utils.gc_utils.freeze_gc_heap):
+    everything alive goes to the oldest generation and is frozen, so a collection during
+    serving does not walk the engine's start-up heap (here: models, caches, plans, kernels)."""
+    gc.collect(0)
+    gc.collect(1)
+    gc.collect(2)
+    gc.freeze()
+
+
 def time_step(fn, iters: int) -> list[float]:
     """ms per call, CUDA events on the current stream around fn (which includes
     wait_for_save's join), a host sync after each call (the step boundary)."""
@@ -854,6 +865,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     for v in ["forward"] + variants + ["legacy"]:  # warm-up: compiled, allocator and plans warm
         step(v)()
     sync()
+    freeze_gc_heap()
     p.save_kv_layer = timed_save
     clocks = ClockSampler()
     clocks.start()
@@ -960,6 +972,17 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
 
     torch.cuda.Event.synchronize = timed_sync
 
+    gc_pauses: list[tuple[float, float]] = []  # the cyclic collector's runs: (start, stop)
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_pauses.append((gc_started[0], time.perf_counter()))
+
+    gc.callbacks.append(on_gc)
+
     def load_once(i: int, hold: bool, two_polls: bool = False) -> dict[str, float]:
         """hold: the READs are posted and stay on the "wire" until every one lands at once;
         else they are done when posted (start_load_kv does everything). two_polls: the first
@@ -1009,6 +1032,9 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
             out["replay_host"] = sum(replays) * 1e3
             base = t2 if hold else t0
             out["to_first_replay"] = (replay_starts[0] - base) * 1e3
+        in_window = [(a, b) for a, b in gc_pauses if a >= t2]
+        out["gc_ms"] = sum(b - a for a, b in in_window) * 1e3  # collections inside the window
+        gc_pauses.clear()
         if waits:  # host time after the last verdict came back (bookkeeping, report)
             out["after_verdict"] = (t3 - waits[-1][1]) * 1e3
             out["verdict_wait"] = sum(b - a for a, b in waits) * 1e3
@@ -1021,6 +1047,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     for i in range(3):
         load_once(-1 - i, True)  # handshake, compile, warm
         load_once(-10 - i, False)
+    freeze_gc_heap()  # what was built up to here lives as long as an engine's start-up heap
     n_loads = 2 if SMOKE else max(8, min(iters, 20))
     loaded = torch.tensor(d_ids, device=DEVICE)
     replays0 = d.gpu.graph_replays
@@ -1093,6 +1120,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     d.gpu._flush = real_flush
     torch.cuda.CUDAGraph.replay = real_replay
     torch.cuda.Event.synchronize = real_sync
+    gc.callbacks.remove(on_gc)
 
     def med(rows, key):
         vals = [x[key] for x in rows if key in x]
@@ -1111,6 +1139,8 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["load_verdict_wait_ms"] = med(held, "verdict_wait")  # host blocked on the verdict
     r["load_after_verdict_ms"] = med(held, "after_verdict")  # verdict back -> reported
     r["load_verdict_back_ms"] = med(held, "verdict_back")  # landed -> the verdict's wait returned
+    r["load_gc_ms"] = [round(max(x.get("gc_ms", 0) for x in held), 3),
+                       sum(1 for x in held if x.get("gc_ms", 0) > 0)]  # worst, loads with one
     r["load_decode_groups_ms"] = med(held, "decode")
     r["load_all_at_once_ms"] = med(now, "total")  # READs done when posted: plan build included
     r["load_all_at_once_launches"] = med(now, "launches")
@@ -1184,7 +1214,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         f"{r['load_after_last_launch_ms']:.3f}, {r['load_launches']} launches; to first "
         f"replay {r['load_to_first_replay_ms'] or 0:.3f}, GPU {r['load_launch_gpu_ms'] or 0:.3f}"
         f", verdict wait {r['load_verdict_wait_ms'] or 0:.3f}, after verdict "
-        f"{r['load_after_verdict_ms'] or 0:.3f}) vs 1-launch "
+        f"{r['load_after_verdict_ms'] or 0:.3f}, GC worst/loads {r['load_gc_ms']}) vs 1-launch "
         f"{r['decode_one_launch_ms']:.3f} ms ({dec_name}) = {r['load_vs_one_launch']:.2f}x; "
         f"all at once {r['load_all_at_once_ms']:.3f} ms; launch deferred to the first ask "
         f"{r['load_deferred_launch_ms']:.3f} ms; without graph {r['load_no_graph_ms']:.3f}"
