@@ -262,9 +262,9 @@ def test_a_poll_that_finds_the_link_idle_posts_every_group_left_in_one_read():
     assert sorted(sum((lay for _, lay in r.decoded), ())) == [0, 1, 2, 3]
 
 
-def test_the_rest_goes_out_in_one_read_carrying_every_group_left_released_once():
-    r = rig()
-    released: list[int] = []
+def rest_in_one_read(r: Rig) -> tuple[FakeTransfer, list[int]]:
+    """Start a load, land its first two READs and poll: the READ of groups 2-3 posted then, and
+    a list that counts its releases."""
     r.loader.start([request()])
     r.loader.results()  # the handshake's answer: the first two READs go out
     for x in r.transport.reads:
@@ -272,10 +272,17 @@ def test_the_rest_goes_out_in_one_read_carrying_every_group_left_released_once()
     r.loader.results()  # both landed by this poll: groups 2-3 in one READ, 0-1 decoded
     assert len(r.transport.reads) == 3
     rest = r.transport.reads[2]
-    sizes = r.loader._jobs[0].group_descs
-    assert rest.nbytes == int(sizes[2][0][:, 1].sum() + sizes[3][0][:, 1].sum())
+    released: list[int] = []
     real = rest.release
     rest.release = lambda: (released.append(1), real())
+    return rest, released
+
+
+def test_the_rest_goes_out_in_one_read_carrying_every_group_left_released_once():
+    r = rig()
+    rest, released = rest_in_one_read(r)
+    sizes = r.loader._jobs[0].group_descs
+    assert rest.nbytes == int(sizes[2][0][:, 1].sum() + sizes[3][0][:, 1].sum())
     assert drive(r) == ({"r1"}, set())
     assert [lay for _, lay in r.decoded] == [(0, 1), (2, 3)] and released == [1]
     assert r.ranges.free_bytes == r.ranges.capacity
@@ -283,15 +290,7 @@ def test_the_rest_goes_out_in_one_read_carrying_every_group_left_released_once()
 
 def test_a_failed_read_carrying_several_groups_fails_the_load_and_is_released_once():
     r = rig()
-    released: list[int] = []
-    r.loader.start([request()])
-    r.loader.results()  # the handshake's answer: the first two READs go out
-    for x in r.transport.reads:
-        x.current = TransferState.DONE
-    r.loader.results()
-    rest = r.transport.reads[2]
-    real = rest.release
-    rest.release = lambda: (released.append(1), real())
+    rest, released = rest_in_one_read(r)
     rest.current = TransferState.FAILED
     _, failed = drive(r)
     assert failed == {"r1"} and r.failures() == {"transport": 1} and released == [1]
