@@ -391,8 +391,8 @@ class KVLoader:
                 job.decoded[g] = True  # handed over: its handle is the caller's to release
                 g += 1
                 self._post_more(job)  # before the decode; a READ posted here may have landed
-                if not self.merge_landed:
-                    break
+                if not self.merge_landed and (g == len(job.xfers) or job.xfers[g] is not xfer):
+                    break  # one call per READ (the groups of one READ are handed over together)
         except BaseException:
             for xfer in handles:  # landed, never decoded: the load fails, the handles go
                 xfer.release()
@@ -617,6 +617,7 @@ class KVLoader:
         if len(job.xfers) >= len(job.groups):
             return
         if rest:
+            assert job.desc_all is not None  # set with group_descs when the READs are posted
             first = job.group_rows[len(job.xfers)]
             local, remote = job.desc_all[0][first:], job.desc_all[1][first:]
             self._post_read(job, local, remote, len(job.groups) - len(job.xfers))

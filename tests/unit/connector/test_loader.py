@@ -288,6 +288,14 @@ def test_the_rest_goes_out_in_one_read_carrying_every_group_left_released_once()
     assert r.ranges.free_bytes == r.ranges.capacity
 
 
+def test_merge_landed_off_hands_the_groups_of_one_read_over_together_released_once():
+    r = rig()
+    r.loader.merge_landed = False
+    rest, released = rest_in_one_read(r)
+    assert drive(r) == ({"r1"}, set())
+    assert [lay for _, lay in r.decoded] == [(0,), (1,), (2, 3)] and released == [1]
+
+
 def test_a_failed_read_carrying_several_groups_fails_the_load_and_is_released_once():
     r = rig()
     rest, released = rest_in_one_read(r)
@@ -316,6 +324,7 @@ def test_a_pending_read_carrying_several_groups_is_quarantined_once():
 def test_merge_landed_off_decodes_one_group_per_call():
     r = rig()
     r.loader.merge_landed = False
+    r.loader.coalesce_idle = False  # a READ per group: a decode call per group
     r.loader.start([request()])
     assert drive(r) == ({"r1"}, set())
     assert [layers for _, layers in r.decoded] == [(0,), (1,), (2,), (3,)]
