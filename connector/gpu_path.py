@@ -653,9 +653,9 @@ def _likely_runs(groups: Sequence[range], n_layers: int) -> list[range]:
     runs = [range(n_layers)]
     if len(groups) > READS_IN_FLIGHT:
         split = groups[READS_IN_FLIGHT - 1].stop
-        runs += [range(groups[0].start, split), range(split, n_layers)]
-    if len(groups) == READS_IN_FLIGHT + 1:  # the rest is one group: captured already
-        runs.pop()
+        runs.append(range(groups[0].start, split))
+        if len(groups) > READS_IN_FLIGHT + 1:  # else the rest is one group, captured as such
+            runs.append(range(split, n_layers))
     return runs
 
 
