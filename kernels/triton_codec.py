@@ -1126,26 +1126,20 @@ def _write_header(out_ptr, out_off, preset_id, layer, num_layers, H, D: tl.const
 
 
 # runtime ints that vary between models must not select a separately compiled kernel
-_RUNTIME_INTS = ["block_size", "H", "preset_id", "num_layers", "dtype_code"]
+_RUNTIME_INTS = ["block_size", "H", "preset_id", "num_layers", "dtype_code", "n_items"]
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
-def encode_kernel(
-    kv_ptr, out_ptr, items_ptr, blocks_ptr, tab_ptr, acc_ptr,
-    stride_blk, stride_tok, stride_head, block_size, H, preset_id, num_layers, dtype_code,
-    D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, SBT: tl.constexpr, LV: tl.constexpr,
-    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CENTER: tl.constexpr, K_SINK: tl.constexpr,
-    K_NHI: tl.constexpr, K_WORDS: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CENTER: tl.constexpr, V_SINK: tl.constexpr,
-    V_NHI: tl.constexpr, V_WORDS: tl.constexpr,
-    QMODE: tl.constexpr, FP8_MANUAL: tl.constexpr, SQRT_D: tl.constexpr, S1M: tl.constexpr,
-    S2M: tl.constexpr, NUM_WARPS: tl.constexpr,
-):
-    """Grid: items x 2 streams x H heads. One chunk per item, written at its staging offset."""
-    pid = tl.program_id(0)
-    h = pid % H
-    s = (pid // H) % 2
-    item = pid // (2 * H)
+@triton.jit
+def _enc_item(kv_ptr, out_ptr, items_ptr, blocks_ptr, tab_ptr, acc_ptr, item, s, h,
+              stride_blk, stride_tok, stride_head, block_size, H, preset_id, num_layers,
+              dtype_code, D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, SBT: tl.constexpr,
+              LV: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr,
+              K_CENTER: tl.constexpr, K_SINK: tl.constexpr, K_NHI: tl.constexpr,
+              K_WORDS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
+              V_CENTER: tl.constexpr, V_SINK: tl.constexpr, V_NHI: tl.constexpr,
+              V_WORDS: tl.constexpr, QMODE: tl.constexpr, FP8_MANUAL: tl.constexpr,
+              SQRT_D: tl.constexpr, S1M: tl.constexpr, S2M: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """Stream s, head h of chunk ``item``; the chunk's last program writes its header."""
     ip = items_ptr + item * E_FIELDS
     start = tl.load(ip + E_START).to(tl.int32)
     T = tl.load(ip + E_T).to(tl.int32)
@@ -1175,6 +1169,38 @@ def encode_kernel(
                       H, D, dtype_code, T, start, tl.load(ip + E_BODY).to(tl.int32),
                       tl.load(ip + E_TAGLO).to(tl.int32), tl.load(ip + E_TAGHI).to(tl.int32),
                       body_sum)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def encode_kernel(
+    kv_ptr, out_ptr, items_ptr, blocks_ptr, tab_ptr, acc_ptr,
+    stride_blk, stride_tok, stride_head, block_size, H, preset_id, num_layers, dtype_code, n_items,
+    D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr, SBT: tl.constexpr, LV: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CENTER: tl.constexpr, K_SINK: tl.constexpr,
+    K_NHI: tl.constexpr, K_WORDS: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CENTER: tl.constexpr, V_SINK: tl.constexpr,
+    V_NHI: tl.constexpr, V_WORDS: tl.constexpr,
+    QMODE: tl.constexpr, FP8_MANUAL: tl.constexpr, SQRT_D: tl.constexpr, S1M: tl.constexpr,
+    S2M: tl.constexpr, NUM_WARPS: tl.constexpr, SMAJOR: tl.constexpr,
+):
+    """Grid: items x 2 streams x H heads; a program codes one (stream, head) of one item (chunk),
+    written at its staging offset. SMAJOR: every K program before every V program, so the
+    programs an SM runs at once mostly run one stream's code (a K and a V program share no
+    instructions: interleaved, block-sized chunks spent a third of their cycles on instruction
+    fetch); else a chunk's K and V heads side by side."""
+    pid = tl.program_id(0)
+    h = pid % H
+    if SMAJOR:
+        s = pid // (n_items * H)
+        item = (pid % (n_items * H)) // H
+    else:
+        s = (pid // H) % 2
+        item = pid // (2 * H)
+    _enc_item(kv_ptr, out_ptr, items_ptr, blocks_ptr, tab_ptr, acc_ptr, item, s, h,
+              stride_blk, stride_tok, stride_head, block_size, H, preset_id, num_layers,
+              dtype_code, D, L, BT, SBT, LV, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS,
+              V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, QMODE, FP8_MANUAL, SQRT_D,
+              S1M, S2M, NUM_WARPS)
 
 
 # ------------------------------------------------------------------------------------------

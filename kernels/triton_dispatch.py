@@ -61,7 +61,9 @@ class KernelConfig:
     pass (None: ``sum_rows_for``'s default); ``decode_split``: decode programs per chunk, 1 (one
     program verifies a chunk and decodes both streams) or 2 (one per stream, each verifying the
     whole chunk); ``verify_words``: words per step of the decode's checksum loop (None:
-    ``verify_words_for``'s default)."""
+    ``verify_words_for``'s default); ``encode_stream_major``: launch every K program of an encode
+    before every V program (True, the default: concurrent programs share their code; False: a
+    chunk's K and V programs side by side)."""
 
     num_warps: int = 4
     lanes: int | None = None
@@ -73,6 +75,7 @@ class KernelConfig:
     sum_rows: int | None = None
     encode_max_registers: int | str | None = "tuned"
     decode_split: int = 1
+    encode_stream_major: bool = True
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -582,11 +585,12 @@ class EncodePlan:
                     strides[2],
                     _block_size_arg(lay0.block_size), lay0.num_heads, codec.preset.preset_id,
                     codec.num_layers,
-                    dtype_code)
+                    dtype_code, n)
             kwargs = dict(
                 D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
                 FP8_MANUAL=interpreting(), SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0),
                 S2M=_sign_mask(dim, 1), NUM_WARPS=cfg.num_warps,
+                SMAJOR=cfg.encode_stream_major,
                 **cfg.launch_options(cfg.encode_registers_for(kspec, vspec, dim)),
                 enable_fp_fusion=False,
             )

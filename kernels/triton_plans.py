@@ -402,6 +402,7 @@ class EncodeLayersPlan:
                 D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
                 FP8_MANUAL=interpreting(), SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0),
                 S2M=_sign_mask(dim, 1), NUM_WARPS=cfg.num_warps,
+                SMAJOR=cfg.encode_stream_major,
                 **cfg.launch_options(cfg.encode_registers_for(kspec, vspec, dim)),
                 enable_fp_fusion=False,
             )
@@ -409,13 +410,15 @@ class EncodeLayersPlan:
                     layout.num_heads, codec.preset.preset_id, codec.num_layers, dtype_code)
             kc = _kernel_cache(base)
             heads2 = 2 * layout.num_heads
-            self._calls.append(((len(pos) * n * heads2,),
-                                (kc, staging, table, self.blocks, tab, acc) + tail, kwargs))
+            n_all = len(pos) * n
+            self._calls.append(((n_all * heads2,),
+                                (kc, staging, table, self.blocks, tab, acc) + tail + (n_all,),
+                                kwargs))
             for j, i in enumerate(pos):
                 self._layer_calls[i].append((
                     (n * heads2,),
                     (kc, staging, table[j * n:(j + 1) * n], self.blocks, tab,
-                     acc[2 * j * n:2 * (j + 1) * n]) + tail, kwargs))
+                     acc[2 * j * n:2 * (j + 1) * n]) + tail + (n,), kwargs))
             pol.table = table
         self._policies = list(policies.values())
 

@@ -82,6 +82,41 @@ def items(codec: Codec, out: np.ndarray, cs: ChunkSet):
              for n, (r, s, t) in enumerate(CHUNKS)] for layer in range(LAYERS)]
 
 
+@pytest.mark.parametrize("stream_major,mode", [(False, "layer"), (False, "batched"),
+                                               (True, "layer"), (True, "batched")])
+def test_either_program_order_writes_the_reference_bytes(stream_major, mode):
+    """``KernelConfig.encode_stream_major``: every K program launched before every V program
+    (the default), or a chunk's K and V programs side by side; per layer and batched (where a
+    stream's programs span several layers)."""
+    codec = Codec("tq4", DIM, LAYERS)
+    src = caches("LBNHC", torch.bfloat16, seed=3)
+    layout = PagedKVLayout.from_cache(src[0])
+    cs = chunk_set()
+    out = offsets(codec)
+    size = LAYERS * len(CHUNKS) * 8192
+    ref = torch.zeros(size, dtype=torch.uint8)
+    enc = items(codec, out, cs)
+    for layer in range(LAYERS):
+        encode_into(codec, layer, src[layer], layout, enc[layer], ref, impl="reference")
+    cfg = KernelConfig(num_warps=1, tile_rows=16, encode_stream_major=stream_major)
+    buf = torch.full((size,), 0x5A, dtype=torch.uint8)
+    plan = EncodeLayersPlan(codec, range(LAYERS), src, layout, cs, out, buf, cfg)
+    if mode == "layer":
+        for i in range(LAYERS):
+            plan.launch_layer(i)
+    else:
+        plan.launch()
+    for layer in range(LAYERS):
+        for n in range(len(CHUNKS)):
+            o, w = int(out[layer, n]), int(plan.written[layer, n])
+            assert torch.equal(buf[o:o + w], ref[o:o + w]), (layer, n)
+            assert buf[o + w] == 0x5A  # nothing past the chunk
+    item_buf = torch.full((size,), 0x5A, dtype=torch.uint8)
+    EncodePlan(codec, [(i, src[i], layout, enc[i]) for i in range(LAYERS)], item_buf,
+               cfg).launch()
+    assert torch.equal(item_buf, buf)
+
+
 @pytest.mark.parametrize("preset,kind,dtype,mode,ranges", [
     ("tq4", "LBNHC", torch.bfloat16, "layer", [(0, 1), (1, LAYERS)]),
     (TWO, "LBHNC", torch.bfloat16, "batched", [(0, LAYERS)]),
