@@ -112,9 +112,10 @@ def constants(preset: str, dim: int, cfg: td.KernelConfig, encode: bool) -> dict
         sbt = cfg.sum_rows_for(dim, tf)
         cx.update(SBT=sbt, LV=max(256 // sbt, 1).bit_length() - 1, QMODE=cfg.qmode,
                   FP8_MANUAL=False, NUM_WARPS=cfg.num_warps,
+                  SMAJOR=cfg.encode_stream_major,
                   SQRT_D=float(torch.tensor(math.sqrt(dim), dtype=torch.float32)))
     else:
-        cx["MANUAL"] = False
+        cx.update(MANUAL=False, SPLIT=cfg.decode_split, BLOCKW=cfg.verify_words_for())
     return cx
 
 
