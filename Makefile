@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv lint test test-unit fuzz soak demo eval bench-kernels bench-e2e clean
+.PHONY: setup system-deps venv lint test test-unit fuzz soak demo eval bench-kernels bench-e2e bench-gpu-path bench-block-chunks clean
 
 # build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
 APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
@@ -96,6 +96,11 @@ bench-kernels:
 # (save path vs a stand-in forward, load path vs the one-launch decode; issue 18), ~5 min
 bench-gpu-path:
 	$(if $(wildcard $(PY)),$(PY),python3) bench/gpu_connector_path.py --out $${OUT:-bench/results/gpu_connector_path} $(BENCH_GPU_PATH_ARGS)
+
+# on the GPU machine: the encoder on the P2P path's one-block chunks, launch shapes side by side
+# (--configs), against 256-token chunks; ~2 min
+bench-block-chunks:
+	$(if $(wildcard $(PY)),$(PY),python3) bench/block_chunks.py --out $${OUT:-bench/results/block_chunks} $(BENCH_BLOCK_CHUNKS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info .pytest_cache .hypothesis
