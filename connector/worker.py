@@ -327,10 +327,10 @@ class TurboWireWorker:
                       chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]
                       ) -> gpu_path.PendingGroup | None:
         """Verify and decode the chunks of ``layers`` (a run of landed READs) into the cache."""
-        from turbowire.kernels import DecodeItem, decode_into
-
         if self.gpu is not None:  # queued on the GPU; the loader settles it (one sync per load)
             return self.gpu.decode_group(load, layers, recv_offset, chunk_offsets)
+        from turbowire.kernels import DecodeItem, decode_into
+
         assert self.recv is not None and self.caches is not None
         bs = self.geometry.block_size
         table = load.block_ids
