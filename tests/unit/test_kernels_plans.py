@@ -82,6 +82,15 @@ def items(codec: Codec, out: np.ndarray, cs: ChunkSet):
              for n, (r, s, t) in enumerate(CHUNKS)] for layer in range(LAYERS)]
 
 
+def assert_chunks_equal(buf: torch.Tensor, ref: torch.Tensor, out: np.ndarray,
+                        written: np.ndarray, *context) -> None:
+    """Every (layer, chunk) of ``buf`` equal to the reference's bytes at its offset."""
+    for layer in range(LAYERS):
+        for n in range(len(CHUNKS)):
+            o, w = int(out[layer, n]), int(written[layer, n])
+            assert torch.equal(buf[o:o + w], ref[o:o + w]), (*context, layer, n)
+
+
 @pytest.mark.parametrize("stream_major,mode", [(False, "layer"), (False, "batched"),
                                                (True, "layer"), (True, "batched")])
 def test_either_program_order_writes_the_reference_bytes(stream_major, mode):
@@ -106,11 +115,9 @@ def test_either_program_order_writes_the_reference_bytes(stream_major, mode):
             plan.launch_layer(i)
     else:
         plan.launch()
-    for layer in range(LAYERS):
-        for n in range(len(CHUNKS)):
-            o, w = int(out[layer, n]), int(plan.written[layer, n])
-            assert torch.equal(buf[o:o + w], ref[o:o + w]), (layer, n)
-            assert buf[o + w] == 0x5A  # nothing past the chunk
+    assert_chunks_equal(buf, ref, out, plan.written)
+    ends = (out + plan.written).reshape(-1)
+    assert bool((buf[torch.from_numpy(ends)] == 0x5A).all())  # nothing past a chunk
     item_buf = torch.full((size,), 0x5A, dtype=torch.uint8)
     EncodePlan(codec, [(i, src[i], layout, enc[i]) for i in range(LAYERS)], item_buf,
                cfg).launch()
@@ -151,10 +158,7 @@ def test_layer_plans_write_what_the_item_plans_and_the_reference_write(preset, k
             plan.launch_layer(i)
     else:
         plan.launch()
-    for layer in range(LAYERS):
-        for n in range(len(CHUNKS)):
-            o, w = int(out[layer, n]), int(plan.written[layer, n])
-            assert torch.equal(buf[o:o + w], ref[o:o + w]), (mode, layer, n)
+    assert_chunks_equal(buf, ref, out, plan.written, mode)
     assert plan.total_bytes == int(plan.written.sum())
 
     # decode: one range for all layers, and the layers split in two ranges
