@@ -336,7 +336,7 @@ class KVLoader:
             self._claimed(job)  # the claim's round trip runs while the READs move
             if not self._post(job, peer):
                 return False
-        if not (job.claimed or self._claimed(job)):
+        if not self._claimed(job):
             return False  # nothing is decoded before the lease is confirmed
         # decode every group that has landed, in order (the READs posted meanwhile included),
         # each run of consecutive landed groups in one call (``merge_landed``); the next READs
@@ -390,8 +390,7 @@ class KVLoader:
                     handles.append(xfer)
                 job.decoded[g] = True  # handed over: its handle is the caller's to release
                 g += 1
-                if len(job.xfers) < len(job.groups):  # before the decode; a READ posted here
-                    self._post_more(job)  # may have landed by the next turn
+                self._post_more(job)  # before the decode; a READ posted here may have landed
                 if not self.merge_landed and (g == len(job.xfers) or job.xfers[g] is not xfer):
                     break  # one call per READ (the groups of one READ are handed over together)
         except BaseException:
