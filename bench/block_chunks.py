@@ -13,8 +13,9 @@ x hd128 x 4096 tokens, bf16, block size 16, shuffled block ids):
 
 each as one launch for all layers and as 32 per-layer launches (replayed from a CUDA graph, so
 host launch costs do not count), with the staging bytes of every variant compared to those of
-the first and a few chunks to the reference codec. ``--profile`` runs one batched launch per
-variant between cudaProfilerStart/Stop for Nsight Compute (``ncu --profile-from-start off``).
+the first variant of the same chunk length and a few chunks to the reference codec.
+``--profile`` runs one batched launch per variant between cudaProfilerStart/Stop for Nsight
+Compute (``ncu --profile-from-start off``).
 
 ``python3 bench/block_chunks.py --out DIR [--presets tq4,k4v3] [--configs "sm=0;sm=1"]``
 Smoke run on CPU (Triton interpreter, tiny shapes): ``TW_BENCH_SMOKE=1``.
