@@ -273,8 +273,8 @@ def make_worker(preset: str, role: str, engine_id: str, num_blocks: int, pool_by
 
 
 class FakeTransfer:
-    def __init__(self, nbytes: int, transport: FakeTransport) -> None:
-        self.nbytes = nbytes
+    def __init__(self, rows: int, transport: FakeTransport) -> None:
+        self.rows = rows  # descriptors (chunks) of the READ
         self.transport = transport
         self.index = transport.posted
         transport.posted += 1
@@ -306,7 +306,7 @@ class FakeTransport:
         return "prefill-agent"
 
     def read(self, peer: str, local: Any, remote: Any, mem_type: str, notif: bytes = b""):
-        return FakeTransfer(int(local[:, 1].sum()), self)
+        return FakeTransfer(len(local), self)  # O(1): the fake's cost is not the path's
 
     def close(self) -> None:
         pass
@@ -706,6 +706,7 @@ SWEEP = False  # --sweep: time the launch shapes above (they compile; a minute p
 TRACE = False  # --trace: a torch.profiler timeline of one step per save variant, summarised
 PROFILE_LOAD = False  # --profile-load: cProfile of one load's landed -> finished
 TRACE_LOAD = False  # --trace-load: torch.profiler timeline of held loads, steps marked
+TIMELINE_LOAD = False  # --load-timeline: perf-counter marks on the load's calls, no profiler
 # --decode-variants: other launch shapes of the one-launch decode, timed at <= 8k tokens
 DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     "split2": dict(num_warps=2, tile_rows=16, decode_split=2),  # one program per stream
@@ -780,7 +781,9 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
                 fwd.run(None, None)
                 return
             p.gpu.mode = "batched" if variant == "batched" else "layer"
-            p.gpu.side = hi_side if variant == "layer-hiprio" else side
+            # layer-inline: the per-layer launches on the forward's own stream (no side stream)
+            p.gpu.side = (hi_side if variant == "layer-hiprio" else
+                          None if variant == "layer-inline" and DEVICE == "cuda" else side)
             if variant == "legacy":  # the pre-plan path: encode_into once per layer
                 gpu, p.gpu = p.gpu, None
                 try:
@@ -861,7 +864,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     dec_cfg = d.gpu.kernel_config
 
     # ---- 2. prefill: forward alone vs forward + save path, paired rounds
-    variants = ["layer", "batched", "layer-hiprio", "layer+sync"]
+    variants = ["layer", "batched", "layer-hiprio", "layer+sync", "layer-inline"]
     for v in ["forward"] + variants + ["legacy"]:  # warm-up: compiled, allocator and plans warm
         step(v)()
     sync()
@@ -915,7 +918,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["graph"] = graph_probe(plan_step, log)
     # staging bytes equal across the per-layer, batched, high-priority and legacy paths
     stg = []
-    for v in ("layer", "batched", "layer-hiprio", "legacy"):
+    for v in ("layer", "batched", "layer-hiprio", "legacy", "layer-inline"):
         p.staging.fill_(0xA5)
         step(v)()
         sync()
@@ -1097,6 +1100,13 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
                                      f"{tokens}_{preset}", log)
         r["decode_equal_traced_loads"] = all(torch.equal(d_caches[n], ref_dst[n])
                                              for n in names)
+    if TIMELINE_LOAD:
+        poison(d_caches, ref_dst)
+        r["load_timeline"] = timeline_load(
+            d, lambda i: load_meta(f"t{i}", rid, save, d_ids, preset), f"{tokens}_{preset}",
+            log)
+        r["decode_equal_timeline_loads"] = all(torch.equal(d_caches[n], ref_dst[n])
+                                               for n in names)
     if PROFILE_LOAD:  # where the host time of one landed -> finished goes
         import cProfile
         import io
@@ -1205,7 +1215,8 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     ci = r["layer_pct_ci95"]
     log(f"  {tokens:6d} tok {preset:5s}: forward {fw:.2f} ms | layer {r['layer_pct']:+.2f}% "
         f"[{ci[0]:+.2f}, {ci[1]:+.2f}] batched {r['batched_pct']:+.2f}% hiprio "
-        f"{r['layer-hiprio_pct']:+.2f}% layer+sync {r['layer+sync_pct']:+.2f}% legacy "
+        f"{r['layer-hiprio_pct']:+.2f}% layer+sync {r['layer+sync_pct']:+.2f}% inline "
+        f"{r['layer-inline_pct']:+.2f}% legacy "
         f"{r['legacy_pct']:+.2f}% | A/A {r['aa_pct']:+.2f}% | encode 1-launch "
         f"{r['encode_one_launch_ms']:.3f} ms ({r['encode_pct_of_forward']:.2f}%, {enc_name}) | "
         f"load landed->finished {r['load_ms']:.3f} ms (post {r['load_post_ms']:.3f}, to launch "
@@ -1323,6 +1334,115 @@ def trace_load(d, make_meta, tag: str, log, loads: int = 3) -> dict[str, Any]:
     log(f"  load trace {tag} (last of {loads} held loads, landed -> finished "
         f"{out['landed_us']:.0f} us under the profiler):\n" + "\n".join(
             f"    {x['start_us']:9.1f} +{x['us']:8.1f} us  {x['name']}" for x in rows[:80]))
+    return out
+
+
+def timeline_load(d, make_meta, tag: str, log, loads: int = 12) -> dict[str, Any]:
+    """Where the host time of landed -> finished goes, without a profiler: the loader's, the
+    worker's, the GPU path's and the torch calls on the load's path wrapped with perf-counter
+    marks (each mark costs ~0.3-0.5 us, so the instrumented loads run a little slower than the
+    plain ones). Per call site: calls per load, the first call's start after the landing and
+    the inclusive time summed over the load's calls, medians over ``loads`` held loads."""
+    from turbowire.connector import gpu_path
+    from turbowire.connector import loader as loader_mod
+    from turbowire.kernels import triton_plans
+
+    marks: list[tuple[str, float, float]] = []
+    clock = time.perf_counter
+
+    def marked(name: str, fn):
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((name, t, clock()))
+        return wrapper
+
+    lo = d.loader
+    on_instance = [(d, "get_transfer_results"), (d, "_decode_group"), (d.transport, "read")]
+    on_class = [
+        (loader_mod.KVLoader, n) for n in (
+            "results", "_settle_completed", "_progress", "_reclaim", "_advance", "_claimed",
+            "_take_landed", "_link_idle", "_post_more", "_post_read", "_decode_group",
+            "_free_recv", "_complete")
+    ] + [(gpu_path.GpuPaths, n) for n in ("decode_group", "_entry", "_graphs_for")] + [
+        (gpu_path._Launch, "check"), (gpu_path._Launch, "done"),
+        (gpu_path.PendingGroup, "result"), (gpu_path.PendingGroup, "done"),
+        (triton_plans.DecodeLayersPlan, "check"), (FakeTransfer, "state"),
+        (FakeTransfer, "release"), (type(lo._recv_ranges), "free"),
+    ]
+    if DEVICE == "cuda":
+        on_class += [(torch.cuda.CUDAGraph, "replay"), (torch.cuda.Event, "record"),
+                     (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "query"),
+                     (torch.Tensor, "copy_"), (torch.Tensor, "tolist")]
+    saved_instance = [(o, n, o.__dict__.get(n)) for o, n in on_instance]
+    saved_class = [(c, n, c.__dict__.get(n)) for c, n in on_class]
+    real_current = torch.cuda.current_stream
+    for o, n in on_instance:
+        setattr(o, n, marked(n, getattr(o, n)))
+    for c, n in on_class:
+        raw = c.__dict__.get(n, getattr(c, n))
+        if isinstance(raw, staticmethod):
+            setattr(c, n, staticmethod(marked(f"{c.__name__}.{n}", raw.__func__)))
+        else:
+            setattr(c, n, marked(f"{c.__name__}.{n}", getattr(c, n)))
+    torch.cuda.current_stream = marked("torch.cuda.current_stream", real_current)
+    transport = d.transport
+    per_load: list[dict[str, tuple[int, float, float]]] = []
+    totals: list[float] = []
+    try:
+        for i in range(loads):
+            lm = make_meta(i)
+            sync()
+            transport.hold = True
+            d.start_load_kv(lm)
+            marks.clear()
+            transport.hold = False
+            t0 = clock()
+            fin: set[str] = set()
+            while f"t{i}" not in fin:
+                f, x = d.get_transfer_results()
+                if x:
+                    raise RuntimeError(f"timed load failed: {d.take_reports().reports}")
+                fin |= f
+            t1 = clock()
+            totals.append((t1 - t0) * 1e6)
+            rows: dict[str, tuple[int, float, float]] = {}
+            for name, a, b in marks:
+                if a > t1:
+                    continue
+                n, first, incl = rows.get(name, (0, (a - t0) * 1e6, 0.0))
+                rows[name] = (n + 1, first, incl + (b - a) * 1e6)
+            per_load.append(rows)
+            sync()
+            d.get_transfer_results()  # the next step: release and metrics of this load
+            d.take_reports()
+    finally:
+        torch.cuda.current_stream = real_current
+        for o, n, old in saved_instance:
+            if old is None:
+                o.__dict__.pop(n, None)
+            else:
+                setattr(o, n, old)
+        for c, n, old in saved_class:
+            if old is None:
+                delattr(c, n)
+            else:
+                setattr(c, n, old)
+    names = sorted({n for rows in per_load for n in rows},
+                   key=lambda n: statistics.median(r[n][1] for r in per_load if n in r))
+    steps = []
+    for n in names:
+        got = [r[n] for r in per_load if n in r]
+        steps.append({"name": n, "calls": statistics.median(g[0] for g in got),
+                      "first_us": round(statistics.median(g[1] for g in got), 1),
+                      "incl_us": round(statistics.median(g[2] for g in got), 1)})
+    out = {"landed_us": round(statistics.median(totals), 1), "loads": loads, "steps": steps}
+    log(f"  load timeline {tag} (median of {loads} held loads, instrumented: landed -> "
+        f"finished {out['landed_us']:.0f} us):\n" + "\n".join(
+            f"    first at {x['first_us']:8.1f} us  {x['calls']:5.1f} calls  "
+            f"{x['incl_us']:8.1f} us incl  {x['name']}" for x in steps))
     return out
 
 
@@ -1546,7 +1666,8 @@ def spot_check(p, d, save, offsets, names, src, d_caches, p_ids, d_ids, ref_stag
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| tokens | preset | forward ms | + save, per-layer launches (default) [95% CI] "
             "| + save, one batched launch | per-layer, high-priority side stream "
-            "| per-layer + host sync | pre-plan path (encode_into per layer) | A/A noise "
+            "| per-layer + host sync | per-layer on the forward's stream "
+            "| pre-plan path (encode_into per layer) | A/A noise "
             "| encode kernels alone ms (% of forward) | load ms/request: landed -> finished "
             "| one-launch decode ms | load / one-launch | load, a decode call per READ ms "
             "| load, READs done at once (incl. plan build) ms "
@@ -1558,7 +1679,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['tokens']} | {r['preset']} | {r['forward_ms']:.2f} "
             f"| {r['layer_pct']:+.2f}% [{ci[0]:+.2f}, {ci[1]:+.2f}] "
             f"| {r['batched_pct']:+.2f}% | {r['layer-hiprio_pct']:+.2f}% "
-            f"| {r['layer+sync_pct']:+.2f}% | {r['legacy_pct']:+.2f}% | {r['aa_pct']:+.2f}% "
+            f"| {r['layer+sync_pct']:+.2f}% | {r['layer-inline_pct']:+.2f}% "
+            f"| {r['legacy_pct']:+.2f}% | {r['aa_pct']:+.2f}% "
             f"| {r['encode_one_launch_ms']:.3f} ({r['encode_pct_of_forward']:.2f}%) "
             f"| {r['load_ms']:.3f} | {r['decode_one_launch_ms']:.3f} "
             f"| {r['load_vs_one_launch']:.2f}x | {r['load_per_group_ms']:.3f} "
@@ -1586,14 +1708,17 @@ def main() -> int:
                     help="cProfile one load's landed -> finished")
     ap.add_argument("--trace-load", action="store_true",
                     help="torch.profiler timeline of held loads (saved as load_trace_*.json)")
+    ap.add_argument("--load-timeline", action="store_true",
+                    help="perf-counter marks on every call of held loads' landed -> finished")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after which no further case starts (0: none)")
     args = ap.parse_args()
-    global SWEEP, TRACE, PROFILE_LOAD, TRACE_LOAD, OUT_DIR, VARIANTS
+    global SWEEP, TRACE, PROFILE_LOAD, TRACE_LOAD, TIMELINE_LOAD, OUT_DIR, VARIANTS
     SWEEP = args.sweep
     TRACE = args.trace
     PROFILE_LOAD = args.profile_load
     TRACE_LOAD = args.trace_load
+    TIMELINE_LOAD = args.load_timeline
     VARIANTS = [v for v in args.decode_variants.split(",") if v]
     for v in VARIANTS:
         if v not in DECODE_VARIANTS:
@@ -1666,6 +1791,7 @@ def main() -> int:
                     and r.get("decode_equal_pairwise_loads")
                     and r.get("decode_equal_two_poll_loads")
                     and r.get("decode_equal_traced_loads", True)
+                    and r.get("decode_equal_timeline_loads", True)
                     and spot.get("encode_equal_reference") and spot.get("decode_equal_reference"))
 
     cases = report["results"]
