@@ -231,6 +231,10 @@ class GpuPaths:
         self._graph_stream: torch.cuda.Stream | None = None
         self._graph_pool: Any = None
         self._last_graph: Any = None  # the last captured graphs (see _capture)
+        # captured launches taken out of their loads (replayed, or covering layers launched
+        # otherwise): destroyed at the next load's prepare_load, not on a load's path, where
+        # freeing a load's ~10 graphs took 20-25 us between its landing and its replay (H200)
+        self._retired: list[_Captured] = []
         self._flags_host: torch.Tensor | None = None
         self._flag_at = 0
 
@@ -443,6 +447,7 @@ class GpuPaths:
         if not entry.graphs and entry.queued is None and not entry.waiting:
             groups = getattr(chunk_offsets, "groups", None)
             self._capture(entry, groups or [range(self.geometry.num_layers)])
+        self._retired.clear()  # after the capture: the graph pool keeps a graph alive
 
     def _entry(self, load: LoadRequest, recv_offset: int,
                chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> _LoadPlans:
@@ -579,8 +584,8 @@ class GpuPaths:
                         slot.copy_(f, non_blocking=True)
                 event = caps[-1].event
                 event.record(torch.cuda.current_stream(self.device))
-                launch = _Launch([r for c in caps for r in c.ranges], [c.host for c in caps],
-                                 event)
+                launch = _Launch([r for c in caps for r in c.ranges],
+                                 [c.host.numpy() for c in caps], event)
             else:
                 ranges = self._ranges(entry, queued)
                 for plan, lo, hi in ranges:
@@ -599,7 +604,7 @@ class GpuPaths:
                         event.record(torch.cuda.current_stream(self.device))
                 else:  # CPU (tests, interpreter): the launches ran inline
                     host = torch.tensor([int(f) for _, f in live], dtype=torch.int32)
-                launch = _Launch([r for r, _ in live], [host], event)
+                launch = _Launch([r for r, _ in live], [host.numpy()], event)
         except BaseException as exc:
             launch = _Launch([], [], None, error=exc)
         for handle in waiting:
@@ -607,12 +612,11 @@ class GpuPaths:
         if launch.error is not None:
             raise launch.error
 
-    @staticmethod
-    def _graphs_for(entry: _LoadPlans, layers: range) -> list[_Captured]:
+    def _graphs_for(self, entry: _LoadPlans, layers: range) -> list[_Captured]:
         """The captured launches that decode exactly ``layers``: the one of that range, else
         those of consecutive groups covering it; [] if there are none. Every captured launch
-        that covers any of these layers is dropped (none is ever replayed twice, or after its
-        layers were launched otherwise)."""
+        that covers any of these layers is taken out of the load (none is ever replayed twice,
+        or after its layers were launched otherwise) and retired (destroyed later)."""
         if not entry.graphs:
             return []
         caps: list[_Captured] = []
@@ -629,13 +633,14 @@ class GpuPaths:
             if at != layers.stop:
                 caps = []
         for key in [k for k in entry.graphs if k[0] < layers.stop and layers.start < k[1]]:
-            del entry.graphs[key]
+            self._retired.append(entry.graphs.pop(key))
         return caps
 
     def _abandon(self, entry: _LoadPlans, handle: PendingGroup) -> None:
         """The load failed: nothing queued is launched any more, no captured launch replayed."""
         if handle in entry.waiting:
             entry.queued, entry.waiting = None, []
+        self._retired.extend(entry.graphs.values())
         entry.graphs = {}
         if self._loads.get(id(entry.load)) is entry:
             del self._loads[id(entry.load)]
@@ -691,7 +696,9 @@ class _Launch:
     the host (pinned memory, copied after the decode; ``event`` recorded after the copies)."""
 
     ranges: list[tuple[Any, int, int]]  # (DecodeLayersPlan, lo, hi)
-    flags: list[torch.Tensor]  # host tensors, one value per range, in order
+    # numpy views of the pinned slots, one value per range, in order (read after the event:
+    # a few us less than Tensor.tolist on the verdict's path)
+    flags: list[np.ndarray]
     event: Any
     error: BaseException | None = None
     checked: bool = False
@@ -708,7 +715,7 @@ class _Launch:
             self.event.synchronize()
         if self.checked:
             return
-        values = [v for host in self.flags for v in host.tolist()]
+        values = [int(v) for host in self.flags for v in host]
         for (plan, lo, hi), flag in zip(self.ranges, values, strict=True):
             plan.check(lo, hi, flag)  # raises if flagged (reads the statuses back then)
         self.checked = True

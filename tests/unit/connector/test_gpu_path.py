@@ -237,8 +237,12 @@ def test_the_groups_landed_in_one_pass_get_one_captured_launch():
     """``_flush``'s choice among a load's captured launches (CUDA graphs, so only the choice is
     tested here): the launch of exactly the queued layers (one group, or all of them), else the
     groups' launches back to back, else none (direct launches); every captured launch covering
-    any of those layers is dropped, so no layer is ever decoded by two of them."""
-    pick = gpu_path.GpuPaths._graphs_for
+    any of those layers is dropped, so no layer is ever decoded by two of them; the dropped ones
+    are retired (destroyed at the next load's ``prepare_load``, off the load's path)."""
+    paths = SimpleNamespace(_retired=[])
+
+    def pick(e, layers):
+        return gpu_path.GpuPaths._graphs_for(paths, e, layers)
 
     def entry():
         keys = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 4)]
@@ -246,9 +250,12 @@ def test_the_groups_landed_in_one_pass_get_one_captured_launch():
 
     e = entry()
     assert pick(e, range(0, 4)) == [(0, 4)] and e.graphs == {}  # all landed together
+    assert sorted(paths._retired) == sorted(entry().graphs)  # every one of them, once
+    paths._retired.clear()
     e = entry()
     assert pick(e, range(0, 1)) == [(0, 1)]  # a group that landed alone
     assert e.graphs == {(1, 2): (1, 2), (2, 3): (2, 3), (3, 4): (3, 4)}
+    assert sorted(paths._retired) == [(0, 1), (0, 4)]
     assert pick(e, range(1, 4)) == [(1, 2), (2, 3), (3, 4)] and e.graphs == {}
     e = entry()
     del e.graphs[(2, 3)]  # not captured (its kernels were not compiled yet): launched directly

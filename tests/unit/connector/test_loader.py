@@ -372,6 +372,50 @@ def test_a_completed_load_is_reported_before_its_release_and_metrics_which_follo
     assert r2.client.released == ["remote-r1"]
 
 
+def test_a_finished_load_and_its_decode_handles_are_freed_at_the_next_call_not_before_its_report():
+    """Freeing a load's decode plan (the handles hold it) and its buffers is host time between
+    its verdict and its report: it happens at the next ``results()`` (vLLM's next step)."""
+    import gc
+    import weakref
+
+    class Handle:
+        def done(self) -> bool:
+            return True
+
+        def result(self) -> None:
+            return None
+
+        def abandon(self) -> None:
+            return None
+
+    r = rig()
+    handles: list[weakref.ref] = []
+
+    def decode(load, layers, recv_offset, chunk_offsets):
+        h = Handle()
+        handles.append(weakref.ref(h))
+        return h
+
+    r.loader._decode = decode
+    r.loader.start([request()])
+    job = weakref.ref(r.loader._jobs[0])
+    finished: set[str] = set()
+    for _ in range(20):
+        for x in r.transport.reads:
+            x.current = TransferState.DONE
+        finished, _ = r.loader.results()
+        if finished:
+            break
+    gc.collect()
+    assert finished == {"r1"} and handles
+    # the load and the handle settled by the poll that finished it are not freed yet (one
+    # settled by an earlier poll was freed at the next one)
+    assert job() is not None and handles[-1]() is not None
+    r.loader.results()
+    gc.collect()
+    assert job() is None and all(h() is None for h in handles)  # freed at the next call
+
+
 def test_the_claim_and_the_release_present_the_lease_token_of_the_load():
     r = rig()
     r.loader.start([request()])
