@@ -45,6 +45,7 @@ results.md and log.txt under --out ($OUT).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -706,6 +707,7 @@ SWEEP = False  # --sweep: time the launch shapes above (they compile; a minute p
 TRACE = False  # --trace: a torch.profiler timeline of one step per save variant, summarised
 PROFILE_LOAD = False  # --profile-load: cProfile of one load's landed -> finished
 TRACE_LOAD = False  # --trace-load: torch.profiler timeline of held loads, steps marked
+ENCODE_CAP = 0  # --encode-cap N: a save variant with the encoder capped at N registers
 TIMELINE_LOAD = False  # --load-timeline: perf-counter marks on the load's calls, no profiler
 # --decode-variants: other launch shapes of the one-launch decode, timed at <= 8k tokens
 DECODE_VARIANTS: dict[str, dict[str, Any]] = {
@@ -772,6 +774,9 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     hi_side = (torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
                if DEVICE == "cuda" else None)
 
+    save_cfg: list[Any] = [p.gpu.kernel_config]  # the encoder's config of the plain variants
+    cap_cfg: Any = None
+
     def step(variant: str):
         # a new metadata object each step, as vLLM's scheduler sends (made outside the timing)
         meta = save_meta(rid, p_ids, tokens)
@@ -781,6 +786,9 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
                 fwd.run(None, None)
                 return
             p.gpu.mode = "batched" if variant == "batched" else "layer"
+            # layer-capN: the per-layer launches with the encoder capped at N registers
+            p.gpu.kernel_config = (cap_cfg if variant.startswith("layer-cap") else
+                                   save_cfg[0])
             # layer-inline: the per-layer launches on the forward's own stream (no side stream)
             p.gpu.side = (hi_side if variant == "layer-hiprio" else
                           None if variant == "layer-inline" and DEVICE == "cuda" else side)
@@ -860,11 +868,18 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         c = p.gpu.kernel_config
         enc_name = dec_name = ("connector default" if c is None else
                                f"connector default w{c.num_warps}-t{c.tile_rows}")
+        if c is not None and isinstance(c.encode_max_registers, int):
+            enc_name += f"-r{c.encode_max_registers}"
     r["encode_config"], r["decode_config"] = enc_name, dec_name
     dec_cfg = d.gpu.kernel_config
+    save_cfg[0] = p.gpu.kernel_config
+    cap_cfg = (dataclasses.replace(save_cfg[0] or KernelConfig(), encode_max_registers=ENCODE_CAP)
+               if ENCODE_CAP else None)
 
     # ---- 2. prefill: forward alone vs forward + save path, paired rounds
     variants = ["layer", "batched", "layer-hiprio", "layer+sync", "layer-inline"]
+    if cap_cfg is not None:
+        variants.append(f"layer-cap{ENCODE_CAP}")
     for v in ["forward"] + variants + ["legacy"]:  # warm-up: compiled, allocator and plans warm
         step(v)()
     sync()
@@ -875,6 +890,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     sv = paired_rounds(step, variants, iters)
     clocks.stop()
     p.save_kv_layer = real_save
+    p.gpu.kernel_config = save_cfg[0]
     lg = paired_rounds(step, ["legacy"], max(2, iters // 10))
     if TRACE and DEVICE == "cuda":
         r["trace"] = trace_steps(step, ["forward", "layer", "batched", "layer-hiprio"],
@@ -910,6 +926,17 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
         builds.append((time.perf_counter() - t0) * 1e3)
     r["host_ms_step_plan_build"] = statistics.median(builds)
     r["encode_one_launch_ms"] = bench_ms(lambda: [pl.launch() for pl, _ in plan_step.plans])
+    if cap_cfg is not None:  # the same with the encoder capped (compiled by the rounds above)
+        p.gpu.kernel_config = cap_cfg
+        cap_step = p.gpu._build_step(save_meta(rid, p_ids, tokens))
+        p.gpu.kernel_config = save_cfg[0]
+        r["encode_one_launch_cap_ms"] = bench_ms(
+            lambda: [pl.launch() for pl, _ in cap_step.plans])
+        r["encode_per_layer_launches_cap_ms"] = bench_ms(
+            lambda: [pl.launch_layer(i) for pl, fam in cap_step.plans for i in range(len(fam))])
+        log(f"  encoder capped at {ENCODE_CAP} registers: one launch "
+            f"{r['encode_one_launch_cap_ms']:.3f} ms, per-layer "
+            f"{r['encode_per_layer_launches_cap_ms']:.3f} ms")
     r["encode_per_layer_launches_ms"] = bench_ms(
         lambda: [pl.launch_layer(i) for pl, fam in plan_step.plans for i in range(len(fam))])
     r["encode_pct_of_forward"] = 100 * r["encode_one_launch_ms"] / fw
@@ -918,7 +945,7 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     r["graph"] = graph_probe(plan_step, log)
     # staging bytes equal across the per-layer, batched, high-priority and legacy paths
     stg = []
-    for v in ("layer", "batched", "layer-hiprio", "legacy", "layer-inline"):
+    for v in ("layer", "batched", "layer-hiprio", "legacy", "layer-inline", *variants[5:]):
         p.staging.fill_(0xA5)
         step(v)()
         sync()
@@ -1216,7 +1243,8 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
     log(f"  {tokens:6d} tok {preset:5s}: forward {fw:.2f} ms | layer {r['layer_pct']:+.2f}% "
         f"[{ci[0]:+.2f}, {ci[1]:+.2f}] batched {r['batched_pct']:+.2f}% hiprio "
         f"{r['layer-hiprio_pct']:+.2f}% layer+sync {r['layer+sync_pct']:+.2f}% inline "
-        f"{r['layer-inline_pct']:+.2f}% legacy "
+        f"{r['layer-inline_pct']:+.2f}%"
+        + "".join(f" {v} {r[v + '_pct']:+.2f}%" for v in variants[5:]) + " legacy "
         f"{r['legacy_pct']:+.2f}% | A/A {r['aa_pct']:+.2f}% | encode 1-launch "
         f"{r['encode_one_launch_ms']:.3f} ms ({r['encode_pct_of_forward']:.2f}%, {enc_name}) | "
         f"load landed->finished {r['load_ms']:.3f} ms (post {r['load_post_ms']:.3f}, to launch "
@@ -1710,15 +1738,18 @@ def main() -> int:
                     help="torch.profiler timeline of held loads (saved as load_trace_*.json)")
     ap.add_argument("--load-timeline", action="store_true",
                     help="perf-counter marks on every call of held loads' landed -> finished")
+    ap.add_argument("--encode-cap", type=int, default=0,
+                    help="also time per-layer saves with the encoder capped at N registers")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after which no further case starts (0: none)")
     args = ap.parse_args()
-    global SWEEP, TRACE, PROFILE_LOAD, TRACE_LOAD, TIMELINE_LOAD, OUT_DIR, VARIANTS
+    global SWEEP, TRACE, PROFILE_LOAD, TRACE_LOAD, TIMELINE_LOAD, ENCODE_CAP, OUT_DIR, VARIANTS
     SWEEP = args.sweep
     TRACE = args.trace
     PROFILE_LOAD = args.profile_load
     TRACE_LOAD = args.trace_load
     TIMELINE_LOAD = args.load_timeline
+    ENCODE_CAP = args.encode_cap
     VARIANTS = [v for v in args.decode_variants.split(",") if v]
     for v in VARIANTS:
         if v not in DECODE_VARIANTS:
