@@ -53,7 +53,10 @@ LAYERS, HEADS, DIM, TOKENS, BLOCK = 32, 8, 128, 4096, 16
 DEVICE = "cuda"
 if SMOKE:
     LAYERS, HEADS, TOKENS, DEVICE = 2, 2, 64, "cpu"
-CONNECTOR_SHAPE = dict(num_warps=2, tile_rows=16)  # connector/gpu_path.default_kernel_config
+# connector/gpu_path.default_kernel_config, its cap BLOCK_ENCODE_REGISTERS (not imported: the
+# connector package needs vLLM, absent on the GPU machine); runs before pass 9 had no cap;
+# ``regs=N`` sets max_registers, which overrides it
+CONNECTOR_SHAPE = dict(num_warps=2, tile_rows=16, encode_max_registers=96)
 
 
 def sync() -> None:

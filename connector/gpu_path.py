@@ -17,18 +17,16 @@ sees them the encodes have run. Encoded sizes come from the codec (``encoded_nby
 against the plan once per build, never read back from the device. Encode time is measured with
 CUDA events and read when they have completed (``event.query()``), never waited for.
 
-Per-layer launches or one batched launch: per-layer (the default), by measurement. H200, stand-in
-forward of Llama-3.1-8B layer shapes, paired rounds (bench/RESULTS.md, "GPU connector path"):
-per-layer +2.46% / +2.03% (tq4 / k4v3) at 4k tokens and +1.36% / +1.29% at 32k; one batched
-launch after the last layer +2.46% / +2.80% and +2.63% / +2.16%; the same per-layer launches on
-a high-priority side stream +2.21% / +2.45% and +1.59% / +1.76%. (The side stream runs at
-priority 0, the lowest CUDA has and the forward stream's own: a lower-priority encode stream
-does not exist.) The 4k figures are over the 2% target: the encode kernels alone take 1.5% of
-the forward at full clocks, the forward runs power-capped (~695 W, SM clock ~1455-1485 MHz instead
-of 1980) so the same kernels take ~1.3x longer inside it, and the forward's GEMMs are persistent
-cuBLAS kernels (one CTA per SM, all of its shared memory): an SM an encode CTA holds cannot
-start a GEMM CTA, so the encode overlaps little (torch.profiler trace: ~1 ms of ~2 ms of
-encode kernels ran beside a forward kernel at 4k).
+Per-layer launches or one batched launch: per-layer (the default), by measurement (H200,
+stand-in forward of Llama-3.1-8B layer shapes, paired rounds; bench/RESULTS.md, "GPU connector
+path"): at 4k tokens within the noise of one batched launch after the last layer (either came
+out ahead in some runs), at 32k ahead of it in most; neither a high-priority side stream nor
+the forward's own stream did better. (The side stream runs at priority 0, the
+lowest CUDA has and the forward stream's own: a lower-priority encode stream does not exist.)
+The forward's GEMMs are persistent cuBLAS kernels (one CTA per SM, all of its shared memory),
+so an encode CTA holding an SM delays the next GEMM rather than overlapping it: what the save
+costs is about what the encode kernels take at the forward's power-capped clocks, which is why
+the block-chunk encoder's speed (``default_kernel_config``) is what moves it.
 
 CUDA graphs. vLLM calls ``save_kv_layer`` from the attention op, which is the split point of its
 piecewise CUDA graphs: under PIECEWISE the per-layer launch always runs eagerly between two
@@ -108,12 +106,18 @@ DEFER_LAYERS = 2
 
 def default_kernel_config(block_size: int) -> Any:
     """The launch shape for block-sized chunks: 2 warps and 16-row tiles for blocks of <= 16
-    tokens (the default 32-row tiles run half empty; H200, Llama-3.1-8B shapes, 4k tokens:
-    encode 2.21 -> 1.31 ms, decode 0.71 -> 0.46 ms, bench/gpu_connector_path.py), else the
-    kernels' default."""
+    tokens (the default 32-row tiles run half empty), the encoder capped at
+    ``BLOCK_ENCODE_REGISTERS`` (a 16-row program is latency-bound: the compiler's ~142
+    registers let 7 programs share an SM, 96 let 10); else the kernels' default. Measured on
+    the H200 (bench/RESULTS.md, "GPU connector path", passes 1 and 9)."""
     from turbowire.kernels.triton_dispatch import KernelConfig
 
-    return KernelConfig(num_warps=2, tile_rows=16) if block_size <= 16 else None
+    if block_size > 16:
+        return None
+    return KernelConfig(num_warps=2, tile_rows=16, encode_max_registers=BLOCK_ENCODE_REGISTERS)
+
+
+BLOCK_ENCODE_REGISTERS = 96  # the block-chunk encoder's register cap (default_kernel_config)
 MAX_LOAD_PLANS = 16  # loads decoding at once (a failed load's plan is evicted in age order)
 FLAG_SLOTS = 4096  # pinned int32 slots the decode launches' verdicts are copied into (a ring)
 MAX_PENDING_TIMINGS = 8  # steps whose encode time is still being measured

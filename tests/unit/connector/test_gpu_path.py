@@ -581,3 +581,14 @@ def test_the_graphs_cover_single_groups_all_layers_and_the_first_reads_then_the_
     assert runs(5, 3) == [(0, 5), (0, 4)]  # the rest is group 2 alone: captured as a group
     assert runs(4, 2) == [(0, 4)]
     assert runs(4, 1) == []
+
+
+def test_the_block_chunk_launch_shape_caps_the_encoder_and_leaves_the_decoder_alone():
+    """16-token blocks: 2 warps x 16 rows, the encoder capped at BLOCK_ENCODE_REGISTERS (the
+    stream specs do not matter for an explicit cap), no cap on every kernel (the decoder);
+    larger blocks keep the kernels' default shape."""
+    cfg = gpu_path.default_kernel_config(16)
+    assert (cfg.num_warps, cfg.tile_rows) == (2, 16)
+    assert cfg.encode_registers_for(None, None, 128) == gpu_path.BLOCK_ENCODE_REGISTERS
+    assert cfg.max_registers is None
+    assert gpu_path.default_kernel_config(32) is None
