@@ -20,10 +20,12 @@ side-channel clients; everything between vLLM's calls and the kernels is the rea
    forward, v1, forward, v2, ..., forward; a variant's sample is its time minus the mean of the
    forwards beside it; an A/A difference of forwards gives the noise) for the per-layer
    launches, one batched launch, per-layer on a high-priority side stream, per-layer + a host
-   sync, and the pre-plan path of one ``encode_into`` per layer; SM clock and power through NVML
-   meanwhile; the encode kernels alone (one launch); a CUDA-graph capture of one layer's encode
-   launch vs the eager launch (``graph_probe``); with ``--trace`` a torch.profiler kernel
-   timeline of one step per variant (encode time, the part of it beside forward kernels).
+   sync, per-layer on the forward's own stream (with ``--encode-cap N`` also per-layer with the
+   encoder capped at N registers), and the pre-plan path of one ``encode_into`` per layer; SM
+   clock and power through NVML meanwhile; the encode kernels alone (one launch); a CUDA-graph
+   capture of one layer's encode launch vs the eager launch (``graph_probe``); with ``--trace``
+   a torch.profiler kernel timeline of one step per variant (encode time, the part of it beside
+   forward kernels).
 3. Decode: the same request loaded by a decode worker (its ``KVLoader``; the bytes already in
    the receive buffer, the READs held until all of them land at one instant) from the landing
    to ``get_finished`` reporting it, per request, vs the one-launch decode (the fused verify +
@@ -34,7 +36,9 @@ side-channel clients; everything between vLLM's calls and the kernels is the rea
    finished, the plan build and graph captures included). Every load's result is compared with
    the one-launch decode, a few chunks with the reference codec. ``--decode-variants`` also
    times the one-launch decode in other launch shapes (programs per chunk, warps), each
-   checked against the default's result.
+   checked against the default's result; ``--load-timeline`` marks every call on a held
+   load's path (loader, worker, GPU path, torch) with perf counters and prints where landed ->
+   finished goes, no profiler.
 
 At 4k and 32k tokens, presets tq4 and k4v3, with the connector's launch shape for 16-token
 chunks (``gpu_path.default_kernel_config``; ``--sweep`` times the shapes of CONFIGS first and

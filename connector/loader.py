@@ -833,4 +833,5 @@ class KVLoader:
         """Release what completed last, drop pending handshakes (the executor and clients
         belong to the worker)."""
         self._settle_completed()
+        self._spent = []
         self._handshakes.clear()
