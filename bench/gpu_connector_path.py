@@ -1323,12 +1323,7 @@ def trace_load(d, make_meta, tag: str, log, loads: int = 3) -> dict[str, Any]:
                     d.start_load_kv(lm)
                 with record_function("load.landed"):
                     transport.hold = False
-                    fin: set[str] = set()
-                    while f"t{i}" not in fin:
-                        f, x = d.get_transfer_results()
-                        if x:
-                            raise RuntimeError(f"traced load failed: {d.take_reports().reports}")
-                        fin |= f
+                    poll_until_finished(d, f"t{i}")
                 sync()
                 d.get_transfer_results()  # the next step: release and metrics of this load
                 d.take_reports()
@@ -1367,6 +1362,17 @@ def trace_load(d, make_meta, tag: str, log, loads: int = 3) -> dict[str, Any]:
         f"{out['landed_us']:.0f} us under the profiler):\n" + "\n".join(
             f"    {x['start_us']:9.1f} +{x['us']:8.1f} us  {x['name']}" for x in rows[:80]))
     return out
+
+
+def poll_until_finished(d, rid: str) -> None:
+    """Poll the decode worker as vLLM does each step until ``rid`` is reported; a failed load
+    raises with the worker's reports."""
+    fin: set[str] = set()
+    while rid not in fin:
+        f, x = d.get_transfer_results()
+        if x:
+            raise RuntimeError(f"load {rid} failed: {d.take_reports().reports}")
+        fin |= f
 
 
 def timeline_load(d, make_meta, tag: str, log, loads: int = 12) -> dict[str, Any]:
@@ -1432,12 +1438,7 @@ def timeline_load(d, make_meta, tag: str, log, loads: int = 12) -> dict[str, Any
             marks.clear()
             transport.hold = False
             t0 = clock()
-            fin: set[str] = set()
-            while f"t{i}" not in fin:
-                f, x = d.get_transfer_results()
-                if x:
-                    raise RuntimeError(f"timed load failed: {d.take_reports().reports}")
-                fin |= f
+            poll_until_finished(d, f"t{i}")
             t1 = clock()
             totals.append((t1 - t0) * 1e6)
             rows: dict[str, tuple[int, float, float]] = {}

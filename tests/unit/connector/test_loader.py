@@ -339,9 +339,9 @@ def test_no_more_than_two_reads_are_on_the_wire():
     assert len(r.transport.reads) == 2 and len(pending) == 2 and not r.decoded
 
 
-def test_a_completed_load_is_reported_before_its_release_and_metrics_which_follow_next_call():
-    r = rig()
-    r.loader.start([request()])
+def poll_until_finished(r: Rig) -> set[str]:
+    """Poll (every READ landing by the next poll) until a poll reports a finished load; that
+    poll's finished set, with nothing polled after it."""
     finished: set[str] = set()
     for _ in range(20):
         for x in r.transport.reads:
@@ -349,6 +349,13 @@ def test_a_completed_load_is_reported_before_its_release_and_metrics_which_follo
         finished, _ = r.loader.results()
         if finished:
             break
+    return finished
+
+
+def test_a_completed_load_is_reported_before_its_release_and_metrics_which_follow_next_call():
+    r = rig()
+    r.loader.start([request()])
+    finished = poll_until_finished(r)
     assert finished == {"r1"}
     def recorded() -> set[str]:
         return {key.split("|")[0] for key in r.stats.data["histograms"]}
@@ -399,13 +406,7 @@ def test_a_finished_load_and_its_decode_handles_are_freed_at_the_next_call_not_b
     r.loader._decode = decode
     r.loader.start([request()])
     job = weakref.ref(r.loader._jobs[0])
-    finished: set[str] = set()
-    for _ in range(20):
-        for x in r.transport.reads:
-            x.current = TransferState.DONE
-        finished, _ = r.loader.results()
-        if finished:
-            break
+    finished = poll_until_finished(r)
     gc.collect()
     assert finished == {"r1"} and handles
     # the load and the handle settled by the poll that finished it are not freed yet (one
