@@ -1284,6 +1284,22 @@ def run_case(tokens: int, preset: str, log, iters: int) -> dict[str, Any]:
 OUT_DIR: Path | None = None
 
 
+def restore_wrapped(saved_instance: list[tuple[Any, str, Any]],
+                    saved_class: list[tuple[type, str, Any]]) -> None:
+    """Undo the wrappers of trace_load / timeline_load: ``(owner, name, what its own __dict__
+    held)``, None where the attribute came from elsewhere (an instance's class, a base class)."""
+    for o, n, old in saved_instance:
+        if old is None:
+            o.__dict__.pop(n, None)
+        else:
+            setattr(o, n, old)
+    for c, n, old in saved_class:
+        if old is None:
+            delattr(c, n)
+        else:
+            setattr(c, n, old)
+
+
 def trace_load(d, make_meta, tag: str, log, loads: int = 3) -> dict[str, Any]:
     """A torch.profiler timeline (host + GPU) of held loads, the loader's and the GPU path's
     steps marked with ``record_function``: where landed -> finished goes. The chrome trace is
@@ -1328,13 +1344,7 @@ def trace_load(d, make_meta, tag: str, log, loads: int = 3) -> dict[str, Any]:
                 d.get_transfer_results()  # the next step: release and metrics of this load
                 d.take_reports()
     finally:
-        for o, n, old in saved_instance:
-            if old is None:
-                o.__dict__.pop(n, None)
-            else:
-                setattr(o, n, old)
-        for c, n, old in saved_class:
-            setattr(c, n, old)
+        restore_wrapped(saved_instance, saved_class)
     path = None
     if OUT_DIR is not None:
         path = OUT_DIR / f"load_trace_{tag}.json"
@@ -1453,16 +1463,7 @@ def timeline_load(d, make_meta, tag: str, log, loads: int = 12) -> dict[str, Any
             d.take_reports()
     finally:
         torch.cuda.current_stream = real_current
-        for o, n, old in saved_instance:
-            if old is None:
-                o.__dict__.pop(n, None)
-            else:
-                setattr(o, n, old)
-        for c, n, old in saved_class:
-            if old is None:
-                delattr(c, n)
-            else:
-                setattr(c, n, old)
+        restore_wrapped(saved_instance, saved_class)
     names = sorted({n for rows in per_load for n in rows},
                    key=lambda n: statistics.median(r[n][1] for r in per_load if n in r))
     steps = []
