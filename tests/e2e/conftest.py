@@ -97,17 +97,20 @@ class PDStack:
 
 def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
                 extra: dict | None = None, block_size: int = BLOCK_SIZE,
+                dtype: str = "bfloat16", env: dict[str, str] | None = None,
                 ) -> tuple[ProcessGroup, PDStack]:
+    """A prefill engine (core 0), a decode engine (core 1) and the proxy, warmed up. ``dtype``
+    is the engines' ``--dtype``; ``env`` is added to both engines' environment."""
     group = ProcessGroup()
     try:
         common = dict(kvcache_gib=1, block_size=block_size, max_model_len=2048, max_num_seqs=8,
-                      max_num_batched_tokens=1024, served_model_name=MODEL_NAME)
+                      max_num_batched_tokens=1024, served_model_name=MODEL_NAME, dtype=dtype,
+                      env=dict(env or {}))
         cfg = dict(preset=preset, staging_bytes=staging_bytes, lease_seconds=10,
                    **(extra or {}))
-        p_side = free_port()
         p = group.add(start_engine(EngineSpec(
             "prefill", model, free_port(), cpu=0,
-            kv_transfer_config=turbowire_kv_config(side_channel_port=p_side, **cfg),
+            kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **cfg),
             **common), log_dir))
         d = group.add(start_engine(EngineSpec(
             "decode", model, free_port(), cpu=1,
@@ -119,7 +122,8 @@ def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
         x.wait_healthy(120)
         side_keys = ("auth_token", "side_channel_tls_cert", "side_channel_tls_key",
                      "side_channel_tls_ca")
-        stack = PDStack(preset, p, d, x, staging_bytes, p_side,
+        assert p.spec is not None and p.spec.side_channel_port is not None
+        stack = PDStack(preset, p, d, x, staging_bytes, p.spec.side_channel_port,
                         {k: cfg[k] for k in side_keys if k in cfg})
         # Warm-up: handshake + NIXL connection before any timed or compared request.
         stack.complete(x.url, "warm up the connection please", max_tokens=2)

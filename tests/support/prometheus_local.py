@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from turbowire.serving.ports import free_port
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
@@ -35,13 +36,6 @@ RULES_PATH = REPO_ROOT / "deploy" / "prometheus" / "rules.yaml"
 
 class PrometheusError(RuntimeError):
     """Prometheus could not be started, or its API answered with an error."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prometheus_binary() -> str:

@@ -14,12 +14,12 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import httpx
 
 from turbowire.engine_log import find_root_cause, log_tail
 from turbowire.errors import TurboWireError
+from turbowire.serving.ports import free_port  # noqa: F401 (the launchers' callers take it from here)
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +89,6 @@ class EngineStartError(TurboWireError, RuntimeError):
         return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def engine_lock(path: Path = ENGINE_LOCK, wait_log_s: float = 5.0) -> Iterator[None]:
     """Hold the machine-wide engine lock (same file as ``flock /tmp/tw-engine.lock``)."""
@@ -136,6 +131,7 @@ class EngineSpec:
     cpu: int | None
     host: str = "127.0.0.1"
     kv_transfer_config: dict[str, Any] | None = None
+    dtype: str = "bfloat16"  # the model's (and so the KV cache's) dtype: vLLM's --dtype
     kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     block_size: int = 32
     max_model_len: int = 2048
@@ -150,7 +146,7 @@ class EngineSpec:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--host", self.host, "--port", str(self.port),
-            "--dtype", "bfloat16",
+            "--dtype", self.dtype,
             "--block-size", str(self.block_size),
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
@@ -164,6 +160,20 @@ class EngineSpec:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         cmd += list(self.extra_args)
         return cmd
+
+    @property
+    def side_channel_port(self) -> int | None:
+        """The turbowire side-channel port in its ``--kv-transfer-config``, if any."""
+        extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+        port = extra.get("side_channel_port")
+        return int(port) if port is not None else None
+
+    def take_fresh_ports(self) -> None:
+        """Move the HTTP port and the side-channel port (if set) to newly reserved ones."""
+        self.port = free_port()
+        extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config")
+        if extra is not None and extra.get("side_channel_port") is not None:
+            extra["side_channel_port"] = free_port()
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -184,6 +194,14 @@ class EngineSpec:
         return f"http://{self.host}:{self.port}"
 
 
+#: What a server prints when another process holds its port (uvicorn's errno 98, the side
+#: channel's own message, redis-server's).
+PORT_CLASH_RE = re.compile(r"address already in use|the port is in use|\[Errno 98\]", re.I)
+
+Relaunch = Callable[[], tuple[list[str], dict[str, str], str]]
+"""Moves a process to fresh ports: returns its new command, environment and URL."""
+
+
 @dataclass
 class ManagedProcess:
     """A child in its own process group, logging to a file."""
@@ -193,6 +211,11 @@ class ManagedProcess:
     log_path: Path
     url: str
     label: str = ""  # for messages: "prefill engine", "proxy"; default: name
+    cwd: Path | None = None
+    #: called once if the process dies because a port it was given is taken: the launcher
+    #: starts it again on fresh ports (the spec behind it is updated in place)
+    on_port_clash: Relaunch | None = None
+    spec: EngineSpec | None = None  # the engine's spec (ports as finally used), None for others
 
     def start_error(self, reason: str) -> EngineStartError:
         """An EngineStartError with this process's root cause, log path and log tail."""
@@ -217,6 +240,8 @@ class ManagedProcess:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if not self.alive():
+                if self._relaunch_after_port_clash():
+                    continue
                 raise self.start_error(f"exited with code {self.popen.returncode} while starting")
             try:
                 if httpx.get(self.url + path, timeout=2.0).status_code == 200:
@@ -225,6 +250,21 @@ class ManagedProcess:
                 pass
             time.sleep(0.5)
         raise self.start_error(f"not healthy at {self.url}{path} after {timeout:.0f} s")
+
+    def _relaunch_after_port_clash(self) -> bool:
+        """Start a process that died on a taken port again on fresh ports, once, saying so."""
+        if self.on_port_clash is None or not PORT_CLASH_RE.search(self.log_text()):
+            return False
+        relaunch, self.on_port_clash = self.on_port_clash, None
+        self.stop()
+        old_url = self.url
+        cmd, env, self.url = relaunch()
+        with contextlib.suppress(OSError):
+            self.log_path.replace(self.log_path.with_name(self.log_path.name + ".port-clash"))
+        logger.warning("%s could not bind its port at %s (in use): retrying once at %s",
+                       self.label or self.name, old_url, self.url)
+        self.popen = _popen(cmd, env, self.log_path, self.cwd)
+        return True
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the whole process group, SIGKILL it if it lingers."""
@@ -261,20 +301,40 @@ def spawn(
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / (log_name or f"{name}.log")
-    with open(log_path, "wb") as log:
-        popen = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            cwd=str(log_dir if cwd is None else cwd),
-        )
+    cwd = log_dir if cwd is None else cwd
+    popen = _popen(cmd, env, log_path, cwd)
     logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
     logger.debug("%s: %s", name, " ".join(cmd))
-    return ManagedProcess(name, popen, log_path, url, label)
+    return ManagedProcess(name, popen, log_path, url, label, cwd=cwd)
 
 
-def start_engine(spec: EngineSpec, log_dir: Path) -> ManagedProcess:
-    return spawn(
+def _popen(cmd: list[str], env: dict[str, str], log_path: Path,
+           cwd: Path | None) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=None if cwd is None else str(cwd),
+        )
+
+
+def start_engine(spec: EngineSpec, log_dir: Path, *, fresh_ports_on_clash: bool = True,
+                 ) -> ManagedProcess:
+    """Start a vLLM server for ``spec``. If it dies because a port it was given is taken (another
+    program bound it first), :meth:`ManagedProcess.wait_healthy` moves ``spec`` to fresh ports
+    and starts it once more; ``fresh_ports_on_clash=False`` for a restart that must keep its
+    ports (peers know them)."""
+    proc = spawn(
         spec.name, spec.command(), spec.environment(), log_dir, spec.url, f"{spec.name} engine"
     )
+    proc.spec = spec
+
+    def relaunch() -> tuple[list[str], dict[str, str], str]:
+        spec.take_fresh_ports()
+        return spec.command(), spec.environment(), spec.url
+
+    if fresh_ports_on_clash:
+        proc.on_port_clash = relaunch
+    return proc
 
 
 def proxy_command(prefill_urls: Sequence[str], decode_urls: Sequence[str], port: int,
@@ -294,7 +354,15 @@ def start_proxy(
     extra_args: Sequence[str] = (),
 ) -> ManagedProcess:
     cmd = proxy_command(prefill_urls, decode_urls, port, extra_args)
-    return spawn("proxy", cmd, dict(os.environ), log_dir, f"http://127.0.0.1:{port}")
+    proc = spawn("proxy", cmd, dict(os.environ), log_dir, f"http://127.0.0.1:{port}")
+
+    def relaunch() -> tuple[list[str], dict[str, str], str]:
+        fresh = free_port()
+        return (proxy_command(prefill_urls, decode_urls, fresh, extra_args), dict(os.environ),
+                f"http://127.0.0.1:{fresh}")
+
+    proc.on_port_clash = relaunch
+    return proc
 
 
 class ProcessGroup:

@@ -31,19 +31,13 @@ from pathlib import Path
 from types import TracebackType
 
 from turbowire.errors import TurboWireError
+from turbowire.serving.ports import free_port
 
 logger = logging.getLogger(__name__)
 
 
 class RedisServerError(TurboWireError, RuntimeError):
     """redis-server could not be found or started."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def redis_binary() -> str:
@@ -69,6 +63,7 @@ class RedisServer:
     def __init__(self, port: int | None = None, *, ready_timeout_s: float = 10.0,
                  extra_args: tuple[str, ...] = ()) -> None:
         self.port = port if port is not None else free_port()
+        self._may_move = port is None  # a port of its own choosing: a clash picks another, once
         self.ready_timeout_s = ready_timeout_s
         self.extra_args = extra_args
         self._dir = Path(tempfile.mkdtemp(prefix="turbowire-redis-"))
@@ -87,24 +82,31 @@ class RedisServer:
         """Start (or restart) the server and wait until it answers PING."""
         if self.running:
             return self
-        cmd = [
-            redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self._dir),
-            "--logfile", str(self._log), "--daemonize", "no", *self.extra_args,
-        ]
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
+            cmd = [
+                redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self._dir),
+                "--logfile", str(self._log), "--daemonize", "no", *self.extra_args,
+            ]
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, cwd=self._dir,
             )
             while time.monotonic() < deadline and self._proc.poll() is None:
                 if _ping(self.port):
+                    self._may_move = False  # clients hold its URL from now on
                     logger.debug("redis-server up on port %d (pid %d)", self.port, self._proc.pid)
                     return self
                 time.sleep(0.02)
             if self._proc.poll() is None or time.monotonic() >= deadline:
                 break
+            if self._may_move and "Address already in use" in self._read_log():
+                self._may_move = False
+                old, self.port = self.port, free_port()
+                logger.warning("redis-server could not bind port %d (in use): retrying once on "
+                               "port %d", old, self.port)
+                continue
             # It exited: on a restart the port can still be held briefly by the old socket.
             time.sleep(0.1)
         self._terminate(signal.SIGKILL)
