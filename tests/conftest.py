@@ -26,7 +26,9 @@ if _TESTS not in sys.path:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """State which vLLM CPU attention ISA (and so which KV placement) engines get on this machine:
-    AMX hosts and others place KV differently, and CI runs on whichever it gets."""
+    AMX hosts and others place KV differently, and CI runs on whichever it gets. Also which
+    cache-write ISAs the tests ran with vLLM's live op and which they replayed from the recorded
+    reference (tests/data/vllm_cpu_attn), since that differs by machine too."""
     from pathlib import Path
 
     try:
@@ -43,3 +45,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             terminalreporter.write_line(
                 f"engines with {str(dtype).replace('torch.', '')} KV, block size {bs}: isa {isa}"
             )
+    from turbowire.kernels import cpu_dispatch
+
+    # TURBOWIRE_CPU_ISA pins it (make test-matrix runs the generic build)
+    runs = ", ".join(cpu_dispatch.supported_isas()) if cpu_dispatch.available() else "none"
+    terminalreporter.write_line(f"turbowire C codec build: {cpu_dispatch.isa()} "
+                                f"(this CPU runs: {runs})")
+    cache_writes = sys.modules.get("support.vllm_cpu_attn")  # only if a test used it
+    if cache_writes is not None:
+        terminalreporter.write_line(cache_writes.summary_line())

@@ -1,8 +1,8 @@
 """vLLM CPU attention layouts: the placement is probed from vLLM's own cache-write op for every
-ISA this vLLM build accepts (``amx`` writes are plain memory moves and run without AMX hardware),
-a chunk encoded from one ISA's cache decodes into another ISA's cache exactly where vLLM's op
-puts the same KV, and placements nobody planned for are served (generic) or refused, never
-misread."""
+ISA this CPU's vLLM accepts, and from a replay of the map vLLM's op writes, recorded where it runs
+(tests/data/vllm_cpu_attn), for the ones it refuses here (``amx`` outside vLLM's ``_C`` build);
+a chunk encoded from one ISA's cache decodes into another ISA's cache exactly where vLLM's op puts
+the same KV, and placements nobody planned for are served (generic) or refused, never misread."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from support import vllm_cpu_attn as vca
 
 from turbowire.codec import Codec
 from turbowire.kernels import (
@@ -20,45 +21,73 @@ from turbowire.kernels import (
     decode_into,
     encode_into,
 )
-from turbowire.kernels.cpu_attn_layout import (
-    VLLM_CPU_ATTN_ISAS,
-    CpuCacheLayoutError,
-    cpu_attn_layout,
-    probe_layout,
-    vllm_write_op,
-)
+from turbowire.kernels.cpu_attn_layout import CpuCacheLayoutError, probe_layout
 from turbowire.kernels.cpu_dispatch import CpuKernelError
 
 H = 3
 STALE = 7.0  # what the destination holds before a decode: slots not decoded must keep it
+PATHS = {"vec": "strided", "vec16": "strided", "amx": "tiled"}  # how turbowire serves each ISA
 
 
-def accepted_isas(dtype: torch.dtype, bs: int, d: int) -> list[str]:
-    """The ISAs vLLM's cache write takes for this geometry in this build."""
-    out = []
-    for isa in VLLM_CPU_ATTN_ISAS:
-        try:
-            probe_layout(dtype, H, bs, d, isa)
-        except CpuCacheLayoutError:
+def test_vllm_accepts_exactly_the_isas_this_cpu_can_run():
+    """Guards the matrix below against testing fewer ISAs live than this CPU runs: vLLM's cache
+    write takes vec and vec16 on every x86 CPU and amx exactly where vLLM loads its ``_C`` build
+    (AVX-512 with bf16; tests/support/vllm_cpu_attn.py says where that rule comes from). A CPU
+    whose vLLM unexpectedly runs or refuses amx fails here."""
+    expected = vca.expected_live_isas()
+    if expected is None:
+        pytest.skip("the rule for which ISAs vLLM accepts is written down for x86 only")
+    accepted = vca.live_isas(torch.bfloat16, H, 32, 64)
+    refusals = {
+        isa: vca.live_refusal(isa, torch.bfloat16, H, 32, 64) for isa in expected - set(accepted)
+    }
+    assert set(accepted) == expected, (accepted, refusals)
+    assert vca.layout("vec", torch.bfloat16, H, 32, 64).path == "strided"
+    assert vca.layout("amx", torch.bfloat16, H, 128, 128).path == "tiled"
+
+
+def test_the_live_op_places_kv_exactly_as_recorded():
+    """Every recorded map whose ISA vLLM's op runs here is what the op writes today (a vLLM that
+    moved its placement fails here; re-record with record.py); every ISA this CPU must run is
+    compared, so the recorded vec and vec16 maps are checked live on every x86 machine, and amx
+    wherever vLLM accepts it."""
+    expected = vca.expected_live_isas()
+    if expected is None:
+        pytest.skip("the rule for which ISAs vLLM accepts is written down for x86 only")
+    compared = set()
+    for entry in vca.recorded_maps().values():
+        geometry = (entry.isa, entry.dtype, entry.heads, entry.block_size, entry.head_dim)
+        live = vca.live_layout(*geometry)
+        if live is None:
+            assert entry.isa not in expected, (
+                f"vLLM's op refuses {entry.name} here: {vca.live_refusal(*geometry)}"
+            )
             continue
-        out.append(isa)
-    return out
+        k, v = live.maps
+        assert torch.equal(k.offsets, entry.k_offsets), f"{entry.name}: keys differ from the record"
+        assert torch.equal(v.offsets, entry.v_offsets), f"{entry.name}: values differ"
+        compared.add(entry.isa)
+    assert compared == expected
 
 
-def vllm_write(isa: str, cache: torch.Tensor, key, value, table: list[int]) -> None:
-    bs, d = cache.shape[2], cache.shape[3] // 2
-    write, _ = vllm_write_op(cache.dtype, bs, d, isa)
-    n = key.shape[0]
-    write(key, value, cache, torch.tensor([table[t // bs] * bs + t % bs for t in range(n)]))
-
-
-def test_this_build_accepts_the_x86_layouts():
-    """Guards the matrix below against passing on nothing: an x86 vllm-cpu takes vec, vec16 and
-    amx (the AMX write runs on any x86 CPU); the ones for other architectures are refused."""
-    isas = accepted_isas(torch.bfloat16, 32, 64)
-    assert {"vec", "vec16", "amx"} <= set(isas), isas
-    assert probe_layout(torch.bfloat16, H, 32, 64, "vec").path == "strided"
-    assert probe_layout(torch.bfloat16, H, 128, 128, "amx").path == "tiled"
+@pytest.mark.parametrize("name", sorted(vca.recorded_maps()))
+def test_the_probe_reads_back_every_recorded_placement(name):
+    """Fed a write that places K/V exactly where the recorded map says, the probe reconstructs
+    that map and picks the path turbowire serves the ISA with (vec, vec16 strided; amx tiled, the
+    C codec reading it through slot/dim offset tables)."""
+    entry = vca.recorded_maps()[name]
+    layout = probe_layout(entry.dtype, entry.heads, entry.block_size, entry.head_dim, entry.isa,
+                          write=vca.replay_write(entry))
+    k, v = layout.maps
+    assert torch.equal(k.offsets, entry.k_offsets) and torch.equal(v.offsets, entry.v_offsets)
+    assert layout.path == PATHS[entry.isa]
+    # K and V fill their block, every element once
+    per_block = entry.heads * entry.block_size * 2 * entry.head_dim
+    both = torch.cat([entry.k_offsets.flatten(), entry.v_offsets.flatten()])
+    assert torch.equal(both.sort().values, torch.arange(per_block))
+    for _, _, slot_table, dim_table in layout.c_tables():  # what the C codec gets
+        tables = slot_table is not None and dim_table is not None
+        assert tables == (layout.path == "tiled"), (slot_table, dim_table)
 
 
 GEOMETRIES = [
@@ -70,8 +99,12 @@ GEOMETRIES = [
 @pytest.mark.parametrize("dtype,bs,d", GEOMETRIES)
 @pytest.mark.parametrize("preset", ["raw", "tq4"])
 def test_chunks_move_between_every_pair_of_isas(dtype, bs, d, preset):
-    isas = accepted_isas(dtype, bs, d)
+    """Every ISA vLLM's op runs here or that is recorded, so amx on every machine (bf16 with a
+    block size amx takes), as a source and as a destination."""
+    isas = vca.isas_for(dtype, H, bs, d)
     assert len(isas) >= 2
+    if dtype == torch.bfloat16 and bs % 32 == 0:
+        assert "amx" in isas
     n = bs + bs // 2 + 3  # a full block, then a partial one
     g = torch.Generator().manual_seed(bs + d)
     key = torch.randn(n, H, d, generator=g).to(dtype)
@@ -80,8 +113,8 @@ def test_chunks_move_between_every_pair_of_isas(dtype, bs, d, preset):
     codec = Codec(preset, d, 2)
     for src_isa, dst_isa in itertools.product(isas, repeat=2):
         src = torch.zeros(6, H, bs, 2 * d, dtype=dtype)
-        vllm_write(src_isa, src, key, value, table)
-        src_layout = cpu_attn_layout(src, d, src_isa)
+        vca.write_tokens(src_isa, src, key, value, table)
+        src_layout = vca.layout_for(src_isa, src, d)
         items = [EncodeItem(table, 0, bs, 0, tag=1), EncodeItem(table, bs, n - bs, 1 << 19, tag=2)]
         staged = {}
         for impl in ("cpu", "reference"):
@@ -94,17 +127,18 @@ def test_chunks_move_between_every_pair_of_isas(dtype, bs, d, preset):
         decoded = {}
         for impl in ("cpu", "reference"):
             dst = torch.full((6, H, bs, 2 * d), STALE, dtype=dtype)
-            decode_into(codec, 1, dst, cpu_attn_layout(dst, d, dst_isa), decs, buf, impl=impl)
+            decode_into(codec, 1, dst, vca.layout_for(dst_isa, dst, d), decs, buf, impl=impl)
             decoded[impl] = dst
         assert torch.equal(decoded["cpu"].view(torch.int16), decoded["reference"].view(torch.int16))
-        # what vLLM's op writes for the KV the chunk carries, into a cache of the same staleness
+        # what vLLM's op (live or recorded) writes for the KV the chunk carries, into a cache of
+        # the same staleness
         want_k, want_v = key, value
         if preset != "raw":
             k0, v0 = codec.decode(1, buf[: sizes[0]])
             k1, v1 = codec.decode(1, buf[1 << 19 : (1 << 19) + sizes[1]])
             want_k, want_v = torch.cat([k0, k1]).to(dtype), torch.cat([v0, v1]).to(dtype)
         expect = torch.full((6, H, bs, 2 * d), STALE, dtype=dtype)
-        vllm_write(dst_isa, expect, want_k, want_v, dtable)
+        vca.write_tokens(dst_isa, expect, want_k, want_v, dtable)
         same = decoded["cpu"].view(torch.int16) == expect.view(torch.int16)
         assert bool(same.all()), f"{src_isa} -> {dst_isa}: {(~same).nonzero()[:3].tolist()}"
 
@@ -117,8 +151,8 @@ def test_naive_reading_of_the_shape_is_wrong_and_the_probe_is_right():
     value = torch.randint(-50, 50, (n, H, d)).to(torch.bfloat16)
     for isa in ("vec", "amx"):
         cache.zero_()
-        vllm_write(isa, cache, key, value, [3, 1])
-        k, v = cpu_attn_layout(cache, d, isa).gather(cache, [3, 1], 0, n)
+        vca.write_tokens(isa, cache, key, value, [3, 1])
+        k, v = vca.layout_for(isa, cache, d).gather(cache, [3, 1], 0, n)
         assert torch.equal(k, key) and torch.equal(v, value)
         naive_k, _ = PagedKVLayout.from_cache(cache, head_dim=d).gather(cache, [3, 1], 0, n)
         assert not torch.equal(naive_k, key)
@@ -177,6 +211,6 @@ def test_a_placement_that_cannot_be_read_back_refuses(fault):
 
 
 def test_a_wrong_geometry_is_refused():
-    layout = probe_layout(torch.bfloat16, H, 32, 64, "amx")
+    layout = vca.layout("amx", torch.bfloat16, H, 32, 64)
     with pytest.raises(Exception, match="geometry"):
         layout.for_cache(torch.zeros(2, H + 1, 32, 128, dtype=torch.bfloat16))
