@@ -123,7 +123,7 @@ def test_routing_from_a_real_directory_and_redis_death(redis_srv: RedisServer) -
         for i in range(3):
             t0 = time.monotonic()
             r = post(c, "all stored", f"down-{i}")
-            assert time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 < 5.0  # 0.25 s socket timeouts, then the breaker
             assert r.headers["x-turbowire-route"] == "pd_directory_error"
             assert [h for h, _ in engines.completions()] == ["p0", "d0"]
         text = c.get("/metrics").text

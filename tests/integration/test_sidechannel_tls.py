@@ -582,7 +582,7 @@ def test_every_call_times_out_against_a_peer_that_never_answers(
             CALLS[rpc](c)
         elapsed = time.monotonic() - start
         c.close()
-        assert SHORT * 0.8 <= elapsed < SHORT + 2.0
+        assert SHORT * 0.8 <= elapsed < SHORT + 5.0  # the deadline, not a hang (slack: load)
         assert hole.accepted, "the peer accepted TCP (the test exercised the deadline)"
     finally:
         hole.close()
@@ -597,7 +597,7 @@ def test_a_call_the_service_never_answers_times_out(pki: Pki) -> None:
             start = time.monotonic()
             with pytest.raises(PeerUnreachableError, match="handshake_timeout_seconds"):
                 call()
-            assert time.monotonic() - start < SHORT + 2.0
+            assert time.monotonic() - start < SHORT + 5.0
         assert served.leases.calls == ["heartbeat", "release", "snapshot"]  # it did reach it
         c.close()
     finally:
