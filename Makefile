@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv lint test test-unit fuzz soak demo eval bench-kernels bench-e2e bench-gpu-path bench-block-chunks clean
+.PHONY: setup system-deps venv lint test test-matrix test-unit fuzz soak demo eval bench-kernels bench-e2e bench-gpu-path bench-block-chunks clean
 
 # build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
 APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
@@ -54,6 +54,14 @@ lint: venv
 
 test: setup lint
 	CHECKOV=$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-matrix
+
+# The machine matrix's second leg (the first is the run above, on the best C codec build this CPU
+# runs): the tests that move KV through the C codec again, with it forced to its generic build
+# (no SIMD). tests/unit/test_kernels_cpu.py compares every build this CPU runs byte for byte, and
+# tests/e2e/test_portability_e2e.py runs generic and SIMD engines side by side, bf16 and fp16.
+test-matrix: venv
+	TURBOWIRE_CPU_ISA=base $(PY) -m pytest -q -p no:cacheprovider tests/integration tests/unit/connector
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit
