@@ -23,6 +23,7 @@ from turbowire.serving.launch import (  # one launcher, one EngineStartError for
     EngineStartError,
     ManagedProcess,
     ProcessGroup,
+    free_port,
     proxy_command,
     spawn,
 )
@@ -111,10 +112,15 @@ class EnginePair:
     settings: EngineSettings
     workdir: Path
     events_path: Path
-    prefill_port: int = 8100
+    # the prefill engine and the proxy live in the root namespace, beside everything else on
+    # the machine: their ports come from the allocator; the decode engine's namespace is its own
+    prefill_port: int = field(default_factory=free_port)
     decode_port: int = 8200
-    proxy_port: int = 8000
-    side_port: int = 5600
+    proxy_port: int = field(default_factory=free_port)
+    prefill_nixl_side_port: int = field(default_factory=free_port)  # NixlConnector's
+    prefill_side_port: int = field(default_factory=free_port)  # turbowire's
+    decode_nixl_side_port: int = 5601
+    decode_side_port: int = 5611
     group: ProcessGroup = field(default_factory=ProcessGroup)
 
     @property
@@ -136,14 +142,15 @@ class EnginePair:
         prefill = role == "prefill"
         host = c.root_addr if prefill else c.ns_addr
         dev = c.root_if if prefill else c.ns_if
-        side_port = self.side_port if prefill else self.side_port + 1
+        nixl_side = self.prefill_nixl_side_port if prefill else self.decode_nixl_side_port
+        side_port = self.prefill_side_port if prefill else self.decode_side_port
         return EngineSpec(
             name=f"{role}-{self.conn.label}",
             model=s.model,
             host=host,
             port=self.prefill_port if prefill else self.decode_port,
             cpu=0 if prefill else 1,
-            kv_transfer_config=kv_transfer_config(self.conn, role, host, side_port + 10, dev),
+            kv_transfer_config=kv_transfer_config(self.conn, role, host, side_port, dev),
             kvcache_gib=s.prefill_kvcache_gib if prefill else s.decode_kvcache_gib,
             block_size=s.block_size,
             max_model_len=s.max_model_len,
@@ -156,7 +163,7 @@ class EnginePair:
                         else "--no-enable-prefix-caching"],
             env={
                 "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": dev,
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_side),
                 "TW_BENCH_EVENTS": str(self.events_path), "TW_BENCH_ROLE": "P" if prefill else "D",
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
             },

@@ -680,10 +680,9 @@ def start_soak_stack(model: Path, cfg: SoakConfig, log_dir: Path,
     extra = dict(preset=cfg.preset, lease_seconds=cfg.lease_seconds,
                  staging_bytes=staging_bytes_for(model, cfg.preset, cfg.block_size,
                                                  cfg.staging_slots))
-    p_side = free_port()
     p = group.add(start_engine(EngineSpec(
         "prefill", model, free_port(), cpu=0,
-        kv_transfer_config=turbowire_kv_config(side_channel_port=p_side, **extra),
+        kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **extra),
         env=dict(cfg.engine_env), **common), log_dir))
     d = group.add(start_engine(EngineSpec(
         "decode", model, free_port(), cpu=1,
@@ -693,7 +692,8 @@ def start_soak_stack(model: Path, cfg: SoakConfig, log_dir: Path,
     d.wait_healthy(cfg.startup_timeout_s)
     x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
     x.wait_healthy(120)
-    return SoakStack(p, d, x, p_side)
+    assert p.spec is not None and p.spec.side_channel_port is not None  # moved on a port clash
+    return SoakStack(p, d, x, p.spec.side_channel_port)
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int,
