@@ -1128,3 +1128,18 @@ def test_contract_values_exist_and_are_documented(chart, name: str) -> None:
         assert isinstance(node, dict) and part in node, name
         node = node[part]
     assert f"`{name}`" in (CHART / "README.md").read_text(), name
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_engine_args_parse_with_vllms_own_parser_and_carry_the_guard(rendered, case: str) -> None:
+    """Every flag the chart gives an engine is one vLLM 0.32's `vllm serve` accepts, and every
+    engine refuses transfer params smuggled in vllm_xargs (turbowire.connector.http_guard)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from turbowire.serving.launch import HTTP_GUARD
+
+    for dep in engines(rendered[case]):
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(container["args"])
+        assert args.middleware == [HTTP_GUARD], container["args"]

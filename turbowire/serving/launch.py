@@ -33,6 +33,7 @@ from turbowire.serving.ports import free_port  # noqa: F401 (the launchers' call
 logger = logging.getLogger(__name__)
 
 ENGINE_LOCK = Path("/tmp/tw-engine.lock")
+HTTP_GUARD = "turbowire.connector.http_guard.TransferParamsGuard"
 
 
 class EngineStartError(TurboWireError, RuntimeError):
@@ -157,7 +158,9 @@ class EngineSpec:
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.kv_transfer_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config),
+                    # transfer params smuggled in vllm_xargs get a 400 (connector/http_guard.py)
+                    "--middleware", HTTP_GUARD]
         cmd += list(self.extra_args)
         return cmd
 

@@ -95,6 +95,9 @@ spec:
             - {{ $e.port | quote }}
             - --kv-transfer-config
             - {{ include "turbowire.kvTransferConfig" (list $root $role) | toJson }}
+            # refuse transfer params smuggled in vllm_xargs (400, not a 500 or a dead engine)
+            - --middleware
+            - turbowire.connector.http_guard.TransferParamsGuard
             {{- range $v.model.extraArgs }}
             - {{ . | quote }}
             {{- end }}

@@ -41,3 +41,24 @@ def test_engine_spec_host_sets_the_listen_address_and_url(tmp_path: Path) -> Non
     assert local.url == "http://127.0.0.1:8100" and remote.url == "http://10.1.2.3:8200"
     cmd = remote.command()
     assert cmd[cmd.index("--host") + 1] == "10.1.2.3"
+
+
+def test_engine_commands_parse_with_vllms_own_parser_and_carry_the_guard(tmp_path: Path) -> None:
+    """Every flag the launcher passes is one `vllm serve` accepts; engines with a connector get
+    the API-server guard against transfer params smuggled in vllm_xargs."""
+    import importlib
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from turbowire.serving.launch import HTTP_GUARD, turbowire_kv_config
+
+    spec = EngineSpec("p", tmp_path, 8100, cpu=0, dtype="float16",
+                      kv_transfer_config=turbowire_kv_config(preset="tq4"))
+    cmd = spec.command()
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[cmd.index("--model"):])
+    assert args.middleware == [HTTP_GUARD] and args.dtype == "float16"
+    module, name = HTTP_GUARD.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), name))
+    plain = EngineSpec("q", tmp_path, 8101, cpu=1).command()
+    assert "--middleware" not in plain  # no connector, no transfer params to guard
