@@ -62,6 +62,9 @@ class CompatibilityRecord:
     codec_format_version: int
     tp_size: int
     speculative_config: str  # canonical JSON, "" without speculative decoding
+    #: the served weights' fingerprint (turbowire.store.fingerprint): one served name over other
+    #: weights (a rolling update, a fine-tune under the base's name) must not exchange KV
+    weights: str = ""
 
     def mismatch(
         self, other: CompatibilityRecord, sides: tuple[str, str] = ("this engine", "peer")
@@ -92,10 +95,10 @@ class CompatibilityRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CompatibilityRecord:
         names = {f.name for f in fields(cls)}
-        missing = names - set(data)
+        missing = names - set(data) - {"weights"}  # records of older engines lack it
         if missing:
             raise ValueError(f"compatibility record misses fields {sorted(missing)}")
-        values = {k: data[k] for k in names}
+        values = {k: data[k] for k in names if k in data}
         values["kv_heads"] = tuple(int(h) for h in values["kv_heads"])
         return cls(**values)
 
@@ -109,6 +112,7 @@ class CompatibilityRecord:
         codec_format_version: int,
         tp_size: int,
         speculative_config: dict[str, Any] | None,
+        weights: str = "",
     ) -> CompatibilityRecord:
         return cls(
             model=model,
@@ -125,6 +129,7 @@ class CompatibilityRecord:
             speculative_config=(
                 json.dumps(speculative_config, sort_keys=True) if speculative_config else ""
             ),
+            weights=weights,
         )
 
 

@@ -38,7 +38,12 @@ DEFAULT_DECODE_PIPELINE_GROUPS = 8
 MAX_DECODE_PIPELINE_GROUPS = 256
 DEFAULT_NIXL_PROGRESS_DELAY_US = 100
 MIN_LEASE_SECONDS = 1.0
+DEFAULT_CLAIM_TIMEOUT_SECONDS = 10.0
+DEFAULT_LEASE_MAX_SECONDS = 120.0
+DEFAULT_MAX_PEERS = 64
+MAX_MAX_PEERS = 4096
 MIN_AUTH_TOKEN_CHARS = 8
+MAX_AUTH_TOKEN_FILE_BYTES = 4096
 TRANSPORTS = ("nixl", "store", "both")
 SAVE_SCHEDULES = ("layerwise", "after_forward")
 STORE_URL_SCHEMES = ("redis://", "rediss://")
@@ -316,6 +321,59 @@ class ParamsByName(ValueKind):
         return "object: backend -> {string: string}"
 
 
+@dataclass(frozen=True)
+class Fraction(ValueKind):
+    """A share in (0, 1]."""
+
+    def parse(self, key: str, raw: Any) -> float:
+        number = _number(key, raw, float, (int, float, str), "a fraction in (0, 1]")
+        self.check(key, number)
+        return number
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ConnectorConfigError(f"{key} must be a fraction in (0, 1] (got {value!r})")
+        if not 0 < value <= 1:
+            raise ConnectorConfigError(f"{key}={value} is out of range: use a fraction in (0, 1]")
+
+    def describe(self) -> str:
+        return "a fraction in (0, `1`]"
+
+    def show(self, value: Any) -> str:
+        return f"{value:g}"
+
+
+@dataclass(frozen=True)
+class PeerList(ValueKind):
+    """Prefill peers a decode engine may dial: CIDRs, IPs, host names, optional ports."""
+
+    def parse(self, key: str, raw: Any) -> tuple[str, ...]:
+        if isinstance(raw, str):
+            raw = [entry.strip() for entry in raw.split(",") if entry.strip()]
+        if not isinstance(raw, (list, tuple)):
+            raise ConnectorConfigError(
+                f"{key} must be a list such as [\"10.0.0.0/8\", \"prefill-0.svc:5700\"] "
+                f"(got {raw!r})"
+            )
+        entries = tuple(raw)
+        self.check(key, entries)
+        return entries
+
+    def check(self, key: str, value: Any) -> None:
+        from turbowire.connector.params import PeerAllowlist, PeerAllowlistError
+
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise ConnectorConfigError(f"{key} must be a list of CIDRs, IPs or host names")
+        try:
+            PeerAllowlist.parse(list(value))
+        except PeerAllowlistError as exc:
+            raise ConnectorConfigError(f"{key}: {exc}") from exc
+
+    def describe(self) -> str:
+        return ('list of CIDRs, IPs or host names, each with an optional `:port`, or `"A,B"`; '
+                "empty: any")
+
+
 def _is_thread_cpus(text: str) -> bool:
     from turbowire.connector.threads import AUTO, INHERIT, parse_cpu_list
 
@@ -491,7 +549,35 @@ REDIS_URL = Text(
 )
 
 
+def read_auth_token_file(path: str) -> str | None:
+    """The token in ``auth_token_file`` (surrounding whitespace stripped; empty: None). Errors
+    name the file, never its content."""
+    key = "auth_token_file"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_AUTH_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConnectorConfigError(
+            f"{key}={path!r} cannot be read ({exc.strerror or type(exc).__name__}): mount the "
+            "Secret holding the token there, readable by the engine's user"
+        ) from exc
+    if len(raw) > MAX_AUTH_TOKEN_FILE_BYTES:
+        raise ConnectorConfigError(
+            f"{key}={path!r} is larger than {MAX_AUTH_TOKEN_FILE_BYTES} bytes: it must hold only "
+            "the token"
+        )
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ConnectorConfigError(f"{key}={path!r} is not UTF-8 text") from exc
+    return text or None
+
+
 def _auth_token_from_env(values: Mapping[str, Any], env: Mapping[str, str]) -> str | None:
+    """The token from ``auth_token_file`` when given, else from the ``auth_token_env``
+    variable."""
+    if values.get("auth_token_file"):
+        return read_auth_token_file(values["auth_token_file"])
     return env.get(values["auth_token_env"]) or None
 
 
@@ -533,6 +619,30 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "reading; an unread lease expires, its slots are freed and `reason=\"lease_expired\"` is "
         "counted.",
         default=30.0,
+    ),
+    ConfigKey(
+        "claim_timeout_seconds",
+        Seconds(2.0),
+        "A new lease expires after this long (at most `lease_seconds`) unless the decode engine "
+        "claims or heartbeats it (it does so as soon as the request arrives): params a client "
+        "never hands to a decode engine hold the staging pool this long, not `lease_seconds`.",
+        default=DEFAULT_CLAIM_TIMEOUT_SECONDS,
+    ),
+    ConfigKey(
+        "lease_max_seconds",
+        Seconds(MIN_LEASE_SECONDS),
+        "Cap on a lease's total age (at least `lease_seconds`): heartbeats extend a lease by "
+        "`lease_seconds` up to this age, then it expires (a request queued this long on an "
+        "overloaded decode engine is recomputed there instead of holding staging).",
+        default=DEFAULT_LEASE_MAX_SECONDS,
+    ),
+    ConfigKey(
+        "staging_request_share",
+        Fraction(),
+        "Largest share of the staging pool one request may hold; a request that needs more "
+        "falls back (`turbowire_kv_fallbacks_total{reason=\"staging_share\"}`, the decode engine "
+        "recomputes it). `1`: no cap beyond the pool.",
+        default=1.0,
     ),
     ConfigKey(
         "side_channel_host",
@@ -593,9 +703,21 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
             secret=True,
         ),
         "Shared secret required on every side-channel call (`authorization: Bearer ...`); set "
-        "the same on both engines. Unset (and the variable empty): no authentication.",
-        default_doc=f"env `{AUTH_TOKEN_ENV}`",
+        "the same on both engines. It also keys the MAC of `kv_transfer_params` "
+        "(`turbowire_params_mac`): a decode engine with a token loads only params its prefill "
+        "engines signed, checked before it dials anything (`reason=\"unauthenticated_params\"`). "
+        "Unset (and the variable empty): no authentication and no MAC check (the engine warns "
+        "at start). vLLM logs its non-default arguments, this one included: prefer "
+        "`auth_token_file` or `auth_token_env` (the engine warns when it is given inline).",
+        default_doc=f"`auth_token_file`, else env `{AUTH_TOKEN_ENV}`",
         derive=_auth_token_from_env,
+    ),
+    ConfigKey(
+        "auth_token_file",
+        Text("a path to a file", ((bool, "{key} must be the path of a file"),), nullable=True),
+        "File holding the token (e.g. a mounted Secret; surrounding whitespace ignored), read "
+        "once at start when `auth_token` is not given; its content is never logged.",
+        stored=False,
     ),
     ConfigKey(
         "auth_token_env",
@@ -641,6 +763,24 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "from the load's start): a CPU-starved prefill engine answers late, a hung one fails "
         "the load as `peer_unreachable` after that window.",
         default=5.0,
+    ),
+    ConfigKey(
+        "prefill_peers",
+        PeerList(),
+        "The prefill engines a decode engine may dial: CIDRs (`10.0.0.0/8`), IPs, host names "
+        "(`prefill-0.prefill.svc`), each with an optional `:port`. Params naming another "
+        "`remote_host`/`remote_port` are refused before anything is dialed or resolved "
+        "(`reason=\"peer_not_allowed\"`, recomputed); a host name matches only a listed name. "
+        "Empty: any.",
+        factory=tuple,
+    ),
+    ConfigKey(
+        "max_peers",
+        Int(1, MAX_MAX_PEERS),
+        "Prefill engines a decode engine keeps a side-channel connection, handshake, NIXL "
+        "agent and call threads for; the least recently used beyond it are closed (and "
+        "handshaken again when named again).",
+        default=DEFAULT_MAX_PEERS,
     ),
     ConfigKey(
         "transfer_timeout_seconds",
@@ -743,7 +883,8 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey(
         "store_ttl_seconds",
         Seconds(1.0),
-        "Lifetime of a stored chunk and its directory entry in Redis, refreshed on every hit.",
+        "Lifetime of a stored chunk and its directory entry in Redis, refreshed when an engine "
+        "loads the chunk (lookups, the proxy's included, never refresh it).",
         default=DEFAULT_STORE_TTL_SECONDS,
     ),
     ConfigKey(
@@ -771,11 +912,14 @@ KNOWN_KEYS = frozenset(CONFIG_KEYS_BY_NAME)
 
 
 def _default(name: str) -> Any:
-    """The dataclass field of ``name`` with the table's default (defaults live in one place)."""
+    """The dataclass field of ``name`` with the table's default (defaults live in one place);
+    a secret (``auth_token``) is kept out of the config's repr, so no log line or traceback that
+    shows the config shows it."""
     key = CONFIG_KEYS_BY_NAME[name]
+    shown = not getattr(key.kind, "secret", False)
     if key.factory is not None:
-        return field(default_factory=key.factory)
-    return field(default=key.default)
+        return field(default_factory=key.factory, repr=shown)
+    return field(default=key.default, repr=shown)
 
 
 def unknown_key_message(unknown: Sequence[str]) -> str:
@@ -800,6 +944,9 @@ class TurboWireConfig:
     staging_bytes: int = _default("staging_bytes")
     recv_bytes: int = _default("recv_bytes")
     lease_seconds: float = _default("lease_seconds")
+    claim_timeout_seconds: float = _default("claim_timeout_seconds")
+    lease_max_seconds: float = _default("lease_max_seconds")
+    staging_request_share: float = _default("staging_request_share")
     side_channel_host: str = _default("side_channel_host")
     side_channel_bind: str = _default("side_channel_bind")
     side_channel_port: int = _default("side_channel_port")
@@ -811,6 +958,8 @@ class TurboWireConfig:
     side_channel_tls_ca: str | None = _default("side_channel_tls_ca")
     load_failure_policy: str | None = _default("load_failure_policy")
     handshake_timeout_seconds: float = _default("handshake_timeout_seconds")
+    prefill_peers: tuple[str, ...] = _default("prefill_peers")
+    max_peers: int = _default("max_peers")
     transfer_timeout_seconds: float = _default("transfer_timeout_seconds")
     min_transfer_tokens: int = _default("min_transfer_tokens")
     decode_pipeline_groups: int = _default("decode_pipeline_groups")
@@ -854,6 +1003,16 @@ class TurboWireConfig:
                 )
 
     @property
+    def claim_deadline_seconds(self) -> float:
+        """How long a lease waits for its first claim or heartbeat."""
+        return min(self.claim_timeout_seconds, self.lease_seconds)
+
+    @property
+    def lease_age_cap_seconds(self) -> float:
+        """The most a lease can live, heartbeats included."""
+        return max(self.lease_max_seconds, self.lease_seconds)
+
+    @property
     def uses_store(self) -> bool:
         """Whether this engine saves to and loads from the store."""
         return self.transport in ("store", "both")
@@ -880,6 +1039,11 @@ class TurboWireConfig:
         unknown = sorted((k for k in given if k not in KNOWN_KEYS), key=str)
         if unknown:
             raise ConnectorConfigError(unknown_key_message(unknown))
+        if given.get("auth_token") and given.get("auth_token_file"):
+            raise ConnectorConfigError(
+                "auth_token and auth_token_file are both set: give the token one way (prefer "
+                "auth_token_file: vLLM logs kv_connector_extra_config)"
+            )
         if known_presets is not None and "preset" in given and given["preset"] not in known_presets:
             raise ConnectorConfigError(
                 f"preset={given['preset']!r} is unknown: use one of {known_presets}"
@@ -904,6 +1068,57 @@ class TurboWireConfig:
                 f"side_channel_host={self.side_channel_host!r} does not resolve ({exc}); set it "
                 "to the address the peer engine should connect to"
             ) from exc
+
+
+# -- start-up warnings ----------------------------------------------------------------------------
+
+
+def security_warnings(
+    config: TurboWireConfig, extra: Mapping[str, Any] | None, *, producer: bool, consumer: bool,
+    port: int | None = None,
+) -> list[str]:
+    """What this engine exposes with its configuration, one WARNING line each (secrets never
+    in them): no token on a side channel or on params, a non-loopback bind without TLS, a token
+    given inline in ``kv_connector_extra_config`` (vLLM prints its non-default arguments)."""
+    out: list[str] = []
+    if isinstance(extra, Mapping) and extra.get("auth_token"):
+        out.append(
+            "auth_token is given inline in kv_connector_extra_config, which vLLM prints among "
+            "its non-default arguments at start: put it in a file (auth_token_file, e.g. a "
+            "mounted Secret) or in the environment variable named by auth_token_env"
+        )
+    if not config.uses_nixl:
+        return out
+    bind = f"{config.side_channel_bind}:{port if port is not None else config.side_channel_port}"
+    if producer and config.auth_token is None:
+        out.append(
+            f"the side channel on {bind} serves without auth_token: anyone who reaches it gets "
+            "this engine's NIXL agent metadata (the addresses of its staging pool) and can READ "
+            "every staged prompt's KV over UCX; set auth_token (auth_token_file) on every engine"
+        )
+    if producer and config.side_channel_tls_cert is None and not _is_loopback(
+            config.side_channel_bind):
+        out.append(
+            f"the side channel binds {bind} (not loopback) without TLS: the auth token and the "
+            "NIXL metadata cross the network in plaintext; set side_channel_tls_cert, "
+            "side_channel_tls_key and side_channel_tls_ca"
+        )
+    if consumer and config.auth_token is None:
+        out.append(
+            "kv_transfer_params are not authenticated (no auth_token): whoever can post to this "
+            "engine's API can make it dial any host:port named in remote_host/remote_port and "
+            "load another prompt's KV; set auth_token on every engine (the params' MAC is then "
+            "checked before anything is dialed)"
+            + ("" if config.prefill_peers else " and/or prefill_peers")
+        )
+    return out
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 # -- README ----------------------------------------------------------------------------------------

@@ -1,6 +1,11 @@
 """``TurboWireConnector``: the facade vLLM instantiates (once per role), forwarding to the
 scheduler-side or worker-side object, like vLLM's NixlConnector package.
 
+The scheduler-side hooks run inside vLLM's engine-core loop, where an exception kills the
+engine with every request in flight (``EngineCore._handle_client_request`` and ``schedule()``
+catch nothing): each one falls back instead (no transfer for that request, counted
+``internal``, logged with its traceback), see ``_fallback``.
+
 Load it with::
 
     --kv-transfer-config '{"kv_connector": "TurboWireConnector",
@@ -11,7 +16,9 @@ Load it with::
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -146,15 +153,48 @@ class TurboWireConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         self._sched().bind_kv_cache_manager(kv_cache_manager)
 
+    def _fallback(self, hook: str, request: Request | None = None) -> None:
+        """An unexpected exception in turbowire's code under a vLLM scheduler hook: logged with
+        its traceback and counted ``internal``; the caller then falls back (no transfer for the
+        request) instead of letting it reach vLLM's engine-core loop."""
+        rid = getattr(request, "request_id", None)
+        logger.exception(
+            "turbowire %s failed%s; falling back (no KV transfer for it)", hook,
+            f" for request {rid}" if rid is not None else "",
+        )
+        sched = self.connector_scheduler
+        if sched is not None:
+            with contextlib.suppress(Exception):
+                sched.stats.record_failure("internal")
+
+    def _forget(self, request: Request, finished: bool = False) -> None:
+        with contextlib.suppress(Exception):
+            self._sched().forget(request, finished)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # noqa: BLE001 - never into vLLM's engine loop
+            self._fallback("get_num_new_matched_tokens", request)
+            self._forget(request)  # nothing is loaded for it: recomputed
+            return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:  # noqa: BLE001
+            self._fallback("update_state_after_alloc", request)
+            if num_external_tokens > 0:
+                # vLLM now waits for this request's KV: the workers report it failed instead
+                try:
+                    self._sched().fail_load(request)
+                except Exception:  # noqa: BLE001
+                    logger.exception("turbowire: could not fail the load of %s",
+                                     request.request_id)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -162,23 +202,47 @@ class TurboWireConnector(KVConnectorBase_V1):
         """Peer (P2P) or store tokens; vLLM counts them in prompt_tokens_by_source."""
         if num_external_tokens == 0:
             return {}
-        if self._sched().cache_hit_source(request.request_id) == "store":
+        try:
+            store = self._sched().cache_hit_source(request.request_id) == "store"
+        except Exception:  # noqa: BLE001
+            self._fallback("get_external_cache_hit_sources", request)
+            store = False
+        if store:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return {CacheHitSource.P2P: num_external_tokens}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output)
+        try:
+            return self._sched().build_connector_meta(scheduler_output)
+        except Exception:  # noqa: BLE001 - the step goes on without transfers this once
+            self._fallback("build_connector_meta")
+            return TurboWireConnectorMetadata()
 
     def on_new_request(self, request: Request) -> None:
-        self._sched().on_new_request(request)
+        try:
+            self._sched().on_new_request(request)
+        except Exception:  # noqa: BLE001
+            self._fallback("on_new_request", request)
+            self._forget(request)
+            params = getattr(request, "kv_transfer_params", None)
+            if params is not None and not isinstance(params, Mapping):
+                request.kv_transfer_params = None  # vLLM reads params.get right after
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched().update_connector_output(connector_output)
+        try:
+            self._sched().update_connector_output(connector_output)
+        except Exception:  # noqa: BLE001
+            self._fallback("update_connector_output")
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request, block_ids)
+        try:
+            return self._sched().request_finished(request, block_ids)
+        except Exception:  # noqa: BLE001 - dense blocks freed, nothing handed on
+            self._fallback("request_finished", request)
+            self._forget(request, finished=True)
+            return False, None
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -194,14 +258,20 @@ class TurboWireConnector(KVConnectorBase_V1):
         """Scheduler side: keep the engine stepping until the staging gauges are exported true
         (leases outstanding, or a release/expiry not yet exported); see the scheduler's."""
         if self.connector_scheduler is not None:
-            return self.connector_scheduler.has_pending_push_work()
+            try:
+                return self.connector_scheduler.has_pending_push_work()
+            except Exception:  # noqa: BLE001
+                self._fallback("has_pending_push_work")
         return False
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.connector_worker is not None:
             return self.connector_worker.get_stats()
         if self.connector_scheduler is not None:
-            return self.connector_scheduler.get_stats()
+            try:
+                return self.connector_scheduler.get_stats()
+            except Exception:  # noqa: BLE001 - one step's stats are lost, not the engine
+                logger.exception("turbowire get_kv_connector_stats failed")
         return None
 
     # ------------------------------------------------------------------ worker side

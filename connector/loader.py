@@ -13,6 +13,16 @@ is handed over); it reports the load finished and, at the next poll, tells the p
 to release the lease. Any failure lands in the failed set with its metric reason; a READ that
 may still be writing when its load fails keeps its receive range quarantined.
 
+The claim presents this engine's own prompt (digest and token count, ``LoadRequest.
+prompt_digest``): the prefill engine refuses a lease it staged for another prompt, so params of
+one prompt presented with another fail as ``prompt_mismatch`` before anything is decoded, even
+when their ``turbowire_prompt_hash`` was replaced.
+
+Side-channel calls run on the executor's lane of their peer (``submit_to((host, port), ...)``
+when the executor has one: :class:`~turbowire.connector.sidechannel.client.PeerExecutors`), so a
+peer that never answers stalls only its own loads. At most ``max_peers`` handshakes are kept
+(least recently used dropped, its NIXL agent removed once no READ uses it).
+
 Everything it talks to is injected (transport, side-channel clients, executor, the decode of a
 layer group into the paged cache), so a fake transport can unit-test it
 (tests/unit/connector/test_loader.py), as vLLM tests its NIXL worker with a fake wrapper.
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -71,6 +82,17 @@ class LoadFailed(TurboWireError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason  # type: ignore[misc]  # per instance: one class, many reasons
+
+
+class PromptMismatchError(LoadFailed):
+    """The prefill engine refused the claim: its lease holds the KV of another prompt than this
+    request's (the params belong to another prompt; their ``turbowire_prompt_hash`` was
+    replaced or the prompt differs). Nothing is decoded; the prompt is recomputed."""
+
+    reason = "prompt_mismatch"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(type(self).reason, message)
 
 
 class LeaseRefusedError(LoadFailed):
@@ -255,7 +277,8 @@ class KVLoader:
         self.prepare = prepare
         self._executor = executor
         self.stats = stats
-        self._peers: dict[tuple[str, str, int], PeerState] = {}
+        self._peers: OrderedDict[tuple[str, str, int], PeerState] = OrderedDict()
+        self.max_peers = config.max_peers
         self._handshakes: dict[tuple[str, str, int], tuple[Future, float]] = {}
         self._jobs: list[LoadJob] = []
         self._finished: set[str] = set()
@@ -289,11 +312,32 @@ class KVLoader:
     def start(self, loads: list[LoadRequest]) -> None:
         """Queue new loads (and lease releases) and move every load forward."""
         for load in loads:
-            if load.release_only:
+            if load.fail_reason:
+                self._fail_unplanned(load)
+            elif load.release_only:
                 self._release_async(load)
             else:
                 self._jobs.append(LoadJob(load))
         self._progress()
+
+    def _fail_unplanned(self, load: LoadRequest) -> None:
+        """A load the scheduler announced to vLLM but could not plan (counted there): reported
+        failed at once, so vLLM recomputes (or fails) the request instead of waiting for KV that
+        never comes; the prefill lease, if the params named one, is released."""
+        logger.error("KV load of request %s not planned (%s): reported failed",
+                     load.request_id, load.fail_reason)
+        self._failed.add(load.request_id)
+        self._reports[load.request_id] = LoadReport(failed=load.fail_reason)
+        if load.remote_request_id and load.peer.host:
+            self._release_async(load, count_failure=False)
+
+    def _submit(self, peer: PeerAddress, fn: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Future:
+        """Run a side-channel call on ``peer``'s own lane when the executor has lanes."""
+        submit_to = getattr(self._executor, "submit_to", None)
+        if submit_to is not None:
+            return submit_to((peer.host, peer.port), fn, *args, **kwargs)
+        return self._executor.submit(fn, *args, **kwargs)
 
     def results(self) -> tuple[set[str], set[str]]:
         """(finished incl. failed, failed) since the last call."""
@@ -412,10 +456,11 @@ class KVLoader:
         peer = job.load.peer
         state = self._peers.get(peer.key)
         if state is not None:
+            self._peers.move_to_end(peer.key)
             return state
         pending = self._handshakes.get(peer.key)
         if pending is None:
-            future = self._executor.submit(self._handshake_rpc, peer)
+            future = self._submit(peer, self._handshake_rpc, peer)
             self._handshakes[peer.key] = (future, time.perf_counter())
             return None
         future, started = pending
@@ -434,6 +479,7 @@ class KVLoader:
         elapsed = time.perf_counter() - started
         state = PeerState(info, agent, elapsed)
         self._peers[peer.key] = state
+        self._evict_peers()
         self.stats.observe(
             "handshake_seconds", elapsed, transport=TRANSPORT, preset=self.config.preset
         )
@@ -443,6 +489,15 @@ class KVLoader:
             peer.engine_id, peer.host, peer.port, elapsed * 1e3,
         )
         return state
+
+    def _evict_peers(self) -> None:
+        """Keep at most ``max_peers`` handshakes: the least recently used beyond it is dropped
+        (its NIXL agent is removed once no READ uses it; named again, it is handshaken again)."""
+        while len(self._peers) > self.max_peers:
+            key, old = self._peers.popitem(last=False)
+            self._stale_agents.add(old.agent)
+            logger.info("dropping the handshake with prefill engine %s at %s:%d (max_peers)",
+                        *key)
 
     def _claimed(self, job: LoadJob) -> bool:
         """Extend the prefill lease (one heartbeat round trip, sent when the READs are posted):
@@ -455,9 +510,12 @@ class KVLoader:
         if job.claim is None:
             load = job.load
             client = self._clients.get(load.peer.host, load.peer.port)
-            job.claim = self._executor.submit(
-                client.heartbeat, [load.remote_request_id], self.engine_id,
-                lease_tokens=[load.lease_token],
+            # this engine's own prompt: the prefill engine refuses a lease staged for another
+            claim = ({"prompts": [(load.prompt_digest, load.prompt_tokens)]}
+                     if load.prompt_digest else {})
+            job.claim = self._submit(
+                load.peer, client.heartbeat, [load.remote_request_id], self.engine_id,
+                lease_tokens=[load.lease_token], **claim,
             )
             return False
         if not job.claim.done():
@@ -470,6 +528,13 @@ class KVLoader:
             job.claim = None
             return self._claimed(job)  # sends it again
         rid = job.load.remote_request_id
+        if rid in getattr(reply, "prompt_mismatch", ()):
+            raise PromptMismatchError(
+                f"the prefill engine {job.load.peer.engine_id} refused this engine's claim on "
+                f"the lease of request {rid}: it staged another prompt than this request's (the "
+                "kv_transfer_params belong to another prompt, their turbowire_prompt_hash "
+                "replaced?); nothing is decoded"
+            )
         if rid in reply.refused:
             raise LeaseRefusedError(
                 f"the prefill engine {job.load.peer.engine_id} holds the lease of request {rid} "
@@ -825,7 +890,7 @@ class KVLoader:
                     self.stats.record_failure("peer_unreachable")
 
         try:
-            self._executor.submit(call)
+            self._submit(load.peer, call)
         except RuntimeError:  # the worker's pool is shut down (engine exit): send it from here
             call()
 

@@ -81,10 +81,17 @@ class LoadRequest:
     preset: str
     block_ids: list[int] = field(default_factory=list)  # local block of request block i
     lease_token: str = field(default="", repr=False, kw_only=True)
+    # this engine's own prompt, presented with the claim: the prefill engine refuses a lease
+    # staged for another prompt (digest of the first ``prompt_tokens`` tokens; "": none)
+    prompt_digest: str = field(default="", kw_only=True)
+    prompt_tokens: int = field(default=0, kw_only=True)
+    # set when the scheduler could not plan the load it announced to vLLM: the workers report
+    # the request failed at once (by this reason) instead of leaving it waiting for KV forever
+    fail_reason: str = field(default="", kw_only=True)
 
     @property
     def release_only(self) -> bool:
-        return not self.blocks
+        return not self.blocks and not self.fail_reason
 
 
 @dataclass

@@ -13,6 +13,16 @@ every release, heartbeat and claim. Naming another request's ``remote_request_id
 token releases, extends or reads nothing. Routers must forward the prefill engine's params
 unchanged (they do: vLLM's toy proxy and turbowire's proxy pass the whole object through).
 
+``turbowire_params_mac`` authenticates the params: HMAC-SHA256 under a key derived from the
+engines' shared ``auth_token`` (:func:`params_mac_key`) of the canonical encoding of every field
+the decode engine acts on (:data:`MAC_FIELDS`, :func:`canonical_params`). A decode engine with an
+``auth_token`` refuses params without a valid MAC before it dials or resolves anything, so a
+client that reaches its HTTP port cannot point it at a host of its choosing (the bearer token
+would go there) or at another prompt's lease. The canonical encoding is JSON of exactly the
+:data:`MAC_FIELDS`, keys sorted, no spaces, ASCII only, values as the decode engine reads them
+(``remote_block_ids`` one flat list of ints, ``tp_size`` 1 when absent,
+``turbowire_lease_seconds`` a float, 30.0 when absent; absent optional strings ``null``).
+
 Everything here comes from the network (through the proxy), so parsing validates every field's
 type and range and raises :class:`TransferParamsError` with a message that names the field.
 """
@@ -20,6 +30,9 @@ type and range and raises :class:`TransferParamsError` with a message that names
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
+import json
 import math
 import re
 import secrets
@@ -41,12 +54,49 @@ LEASE_TOKEN_FORMAT = 2
 LEASE_TOKEN_BYTES = 16  # 128 bits from ``secrets``: 32 hex characters
 MAX_LEASE_TOKEN_CHARS = 128
 _LEASE_TOKEN_RE = re.compile(r"[0-9a-f]{32,128}")
+#: The params' MAC field (HMAC-SHA256, 64 lowercase hex characters).
+PARAMS_MAC_FIELD = "turbowire_params_mac"
+#: Label of the MAC key derivation: K = HMAC-SHA256(auth_token, PARAMS_MAC_CONTEXT).
+PARAMS_MAC_CONTEXT = b"turbowire/params-mac/v1"
+_PARAMS_MAC_RE = re.compile(r"[0-9a-f]{64}")
+#: Every field the decode engine acts on, in the names of the params: all of them are MACed.
+MAC_FIELDS: tuple[str, ...] = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "tp_size",
+    "turbowire_preset",
+    "turbowire_format_version",
+    "turbowire_prompt_hash",
+    "turbowire_lease_seconds",
+    "turbowire_lease_token",
+    "turbowire_fallback",
+)
+MAX_HOST_CHARS = 253  # a DNS name (RFC 1035), longer than any IP literal
+_HOST_LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 class TransferParamsError(TurboWireError, ValueError):
     """Malformed ``kv_transfer_params`` from a proxy or peer."""
 
     reason = "bad_params"
+
+
+class UnauthenticatedParamsError(TransferParamsError):
+    """Params without a valid ``turbowire_params_mac`` on a decode engine with an ``auth_token``:
+    altered, forged, or signed by an engine without (or with another) token. Refused before
+    anything is dialed or resolved."""
+
+    reason = "unauthenticated_params"
+
+
+class PeerNotAllowedError(TransferParamsError):
+    """Params naming a prefill engine outside the decode engine's ``prefill_peers``."""
+
+    reason = "peer_not_allowed"
 
 
 def prompt_digest(token_ids: Sequence[int], num_tokens: int) -> str:
@@ -98,6 +148,8 @@ class RemotePrefill:
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     # the lease's capability (format 2; None from older peers): never in a repr or a log line
     lease_token: str | None = field(default=None, repr=False)
+    # HMAC of the fields above by the prefill engine (None: unsigned params)
+    params_mac: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], block_size: int) -> RemotePrefill:
@@ -107,6 +159,11 @@ class RemotePrefill:
         engine_id = _get(params, "remote_engine_id", str)
         request_id = _get(params, "remote_request_id", str)
         host = _get(params, "remote_host", str)
+        if not is_valid_host(host):
+            raise TransferParamsError(
+                "kv_transfer_params.remote_host must be a host name or an IP address (no scheme, "
+                "port, path or spaces)"
+            )
         port = _get(params, "remote_port", int)
         if not 1 <= port <= 65535:
             raise TransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port")
@@ -174,7 +231,135 @@ class RemotePrefill:
             fallback=fallback,
             lease_seconds=lease_seconds,
             lease_token=lease_token,
+            params_mac=_params_mac(params.get(PARAMS_MAC_FIELD)),
         )
+
+    def mac_fields(self) -> dict[str, Any]:
+        """The :data:`MAC_FIELDS` as this engine read them (the MAC's input)."""
+        return mac_fields(
+            engine_id=self.engine_id, request_id=self.request_id, host=self.host,
+            port=self.port, slots=self.slots, num_tokens=self.num_tokens, tp_size=self.tp_size,
+            preset=self.preset, format_version=self.format_version, prompt_hash=self.prompt_hash,
+            lease_seconds=self.lease_seconds, lease_token=self.lease_token,
+            fallback=self.fallback,
+        )
+
+    def verify_mac(self, key: bytes) -> None:
+        """Raise :class:`UnauthenticatedParamsError` unless ``turbowire_params_mac`` is the MAC
+        of these params under ``key`` (constant-time compare; nothing else is touched)."""
+        if self.params_mac is None:
+            raise UnauthenticatedParamsError(
+                f"kv_transfer_params carry no {PARAMS_MAC_FIELD}: this decode engine has an "
+                "auth_token and loads only params its prefill engines signed (give the prefill "
+                "engine the same auth_token; forward its kv_transfer_params unchanged)"
+            )
+        want = params_mac(key, self.mac_fields())
+        if not hmac.compare_digest(want.encode("ascii"), self.params_mac.encode("ascii")):
+            raise UnauthenticatedParamsError(
+                f"kv_transfer_params.{PARAMS_MAC_FIELD} does not match the params: they were "
+                "altered after the prefill engine signed them (or signed with another "
+                "auth_token); nothing is dialed"
+            )
+
+
+def _params_mac(value: Any) -> str | None:
+    """A params MAC: exactly 64 lowercase hex characters (absent: None)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _PARAMS_MAC_RE.fullmatch(value):
+        raise TransferParamsError(
+            f"kv_transfer_params.{PARAMS_MAC_FIELD} must be 64 lowercase hex characters"
+        )
+    return value
+
+
+def is_valid_host(host: str) -> bool:
+    """An IP literal (IPv6 optionally in brackets) or a DNS host name of letters, digits and
+    hyphens: never a scheme (``dns://``, ``unix:``), a port, a path, a zone id or a space, which
+    gRPC would interpret. A name whose last label is all digits (``127.1``, ``2130706433``) is
+    refused too: resolvers read those as IPv4 addresses."""
+    if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS + 2:
+        return False
+    if ip_literal(host) is not None:
+        return True
+    name = host[:-1] if host.endswith(".") else host
+    if not name or len(name) > MAX_HOST_CHARS:
+        return False
+    labels = name.split(".")
+    if labels[-1].isdigit():
+        return False
+    return all(_HOST_LABEL_RE.fullmatch(label) for label in labels)
+
+
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address of an IP literal host (``[v6]`` accepted, zone ids not), else None."""
+    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if "%" in text or not text or text != text.strip():
+        return None
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if host.startswith("[") and addr.version != 6:
+        return None
+    return addr
+
+
+def mac_fields(
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    slots: Sequence[int],
+    num_tokens: int,
+    tp_size: int,
+    preset: str,
+    format_version: int,
+    prompt_hash: str | None,
+    lease_seconds: float,
+    lease_token: str | None,
+    fallback: str | None,
+) -> dict[str, Any]:
+    """The MAC's input in its canonical types (both engines build it with this function)."""
+    return {
+        "remote_engine_id": str(engine_id),
+        "remote_request_id": str(request_id),
+        "remote_host": str(host),
+        "remote_port": int(port),
+        "remote_block_ids": [int(s) for s in slots],
+        "remote_num_tokens": int(num_tokens),
+        "tp_size": int(tp_size),
+        "turbowire_preset": str(preset),
+        "turbowire_format_version": int(format_version),
+        "turbowire_prompt_hash": None if prompt_hash is None else str(prompt_hash),
+        "turbowire_lease_seconds": float(lease_seconds),
+        "turbowire_lease_token": lease_token or None,
+        "turbowire_fallback": None if fallback is None else str(fallback),
+    }
+
+
+def canonical_params(fields: Mapping[str, Any]) -> bytes:
+    """The bytes the MAC covers: JSON of exactly :data:`MAC_FIELDS` (all required), keys sorted,
+    no spaces, ASCII (non-ASCII escaped), no NaN/Infinity."""
+    missing = [k for k in MAC_FIELDS if k not in fields]
+    if missing:
+        raise ValueError(f"canonical params lack {missing}")
+    return json.dumps(
+        {k: fields[k] for k in MAC_FIELDS}, sort_keys=True, separators=(",", ":"),
+        ensure_ascii=True, allow_nan=False,
+    ).encode("ascii")
+
+
+def params_mac_key(auth_token: str) -> bytes:
+    """K = HMAC-SHA256(auth_token, "turbowire/params-mac/v1"): the params MAC's key, never the
+    bearer token itself (a MAC then reveals nothing usable on the side channel)."""
+    return hmac.new(auth_token.encode("utf-8"), PARAMS_MAC_CONTEXT, hashlib.sha256).digest()
+
+
+def params_mac(key: bytes, fields: Mapping[str, Any]) -> str:
+    """HMAC-SHA256(key, canonical_params(fields)) as 64 lowercase hex characters."""
+    return hmac.new(key, canonical_params(fields), hashlib.sha256).hexdigest()
 
 
 def _lease_token(value: Any) -> str | None:
@@ -224,14 +409,15 @@ def _lease_seconds(value: Any) -> float:
     return float(value)
 
 
-def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    """The decode side of a P/D pair: load the prompt's KV from a prefill engine."""
-    return bool(params) and bool(params.get("do_remote_prefill"))
+def is_remote_prefill(params: Any) -> bool:
+    """The decode side of a P/D pair: load the prompt's KV from a prefill engine (anything but
+    a mapping is no P/D request: ``vllm_xargs`` can smuggle a string in)."""
+    return isinstance(params, Mapping) and bool(params.get("do_remote_prefill"))
 
 
-def is_remote_decode(params: Mapping[str, Any] | None) -> bool:
+def is_remote_decode(params: Any) -> bool:
     """The prefill side: stage the prompt's KV for a decode engine."""
-    return bool(params) and bool(params.get("do_remote_decode"))
+    return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
 
 
 def prefill_result(
@@ -251,8 +437,18 @@ def prefill_result(
     wire_bytes: int,
     fallback: str | None = None,
     lease_token: str | None = None,
+    mac_key: bytes | None = None,
 ) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a prefill engine returns for the decode engine."""
+    """The ``kv_transfer_params`` a prefill engine returns for the decode engine, signed
+    (``turbowire_params_mac``) when ``mac_key`` is given (the engine has an ``auth_token``)."""
+    mac = None
+    if mac_key is not None:
+        mac = params_mac(mac_key, mac_fields(
+            engine_id=engine_id, request_id=request_id, host=host, port=port, slots=slots,
+            num_tokens=num_tokens, tp_size=tp_size, preset=preset,
+            format_version=format_version, prompt_hash=prompt_hash,
+            lease_seconds=lease_seconds, lease_token=lease_token, fallback=fallback,
+        ))
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -271,4 +467,133 @@ def prefill_result(
         "turbowire_wire_bytes": wire_bytes,
         "turbowire_fallback": fallback,
         "turbowire_lease_token": lease_token,
+        PARAMS_MAC_FIELD: mac,
     }
+
+
+# -- prefill_peers: which prefill engines a decode engine may dial ---------------------------------
+MAX_PEER_ENTRIES = 1024
+MAX_PEER_ENTRY_CHARS = 300
+_PORT_RE = re.compile(r"[0-9]{1,5}")
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class PeerAllowlistError(TurboWireError, ValueError):
+    """A ``prefill_peers`` entry that is not a CIDR, an IP or a host name (each with an optional
+    port)."""
+
+
+def _port(entry: str, text: str) -> int:
+    if not _PORT_RE.fullmatch(text) or not 1 <= int(text) <= 65535:
+        raise PeerAllowlistError(f"prefill_peers entry {entry!r}: {text!r} is not a TCP port")
+    return int(text)
+
+
+def _plain(addr: IPAddress) -> IPAddress:
+    """IPv4-mapped IPv6 (``::ffff:10.0.0.1``) as the IPv4 address it is."""
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+@dataclass(frozen=True)
+class PeerAllowlist:
+    """The prefill engines a decode engine may dial (``prefill_peers``); empty: any.
+
+    Entries: a CIDR (``10.0.0.0/8``, ``fd00::/8``: any port), an IP (``10.0.0.5``, ``::1``,
+    ``[::1]``), an IP with a port (``10.0.0.5:5700``, ``[::1]:5700``), a host name
+    (``prefill-0.prefill.svc``: any port) or a host name with a port. A host name in the params
+    matches only a listed name (case-insensitive, a trailing dot ignored); it is never resolved
+    to be matched against an address or a CIDR, so nothing is looked up for params that are then
+    refused.
+    """
+
+    networks: tuple[IPNetwork, ...] = ()
+    addresses: frozenset[tuple[IPAddress, int]] = frozenset()
+    names: frozenset[str] = frozenset()
+    name_ports: frozenset[tuple[str, int]] = frozenset()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.networks or self.addresses or self.names or self.name_ports)
+
+    @classmethod
+    def parse(cls, entries: Sequence[str]) -> PeerAllowlist:
+        """Parse ``prefill_peers``; raises :class:`PeerAllowlistError` naming the bad entry."""
+        if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence):
+            raise PeerAllowlistError("prefill_peers must be a list of strings")
+        if len(entries) > MAX_PEER_ENTRIES:
+            raise PeerAllowlistError(
+                f"prefill_peers has {len(entries)} entries (at most {MAX_PEER_ENTRIES}): use CIDRs"
+            )
+        networks: list[IPNetwork] = []
+        addresses: set[tuple[IPAddress, int]] = set()
+        names: set[str] = set()
+        name_ports: set[tuple[str, int]] = set()
+        for entry in entries:
+            if not isinstance(entry, str) or not entry or len(entry) > MAX_PEER_ENTRY_CHARS:
+                raise PeerAllowlistError(
+                    f"prefill_peers entry {str(entry)[:80]!r} must be a non-empty string of at "
+                    f"most {MAX_PEER_ENTRY_CHARS} characters"
+                )
+            if "/" in entry:
+                try:
+                    net = ipaddress.ip_network(entry, strict=True)
+                except ValueError as exc:
+                    raise PeerAllowlistError(
+                        f"prefill_peers entry {entry!r} is not a CIDR such as 10.0.0.0/8 ({exc})"
+                    ) from exc
+                networks.append(net)
+                continue
+            host, port = entry, None
+            if entry.startswith("["):  # [v6] or [v6]:port
+                end = entry.find("]")
+                if end < 0:
+                    raise PeerAllowlistError(f"prefill_peers entry {entry!r}: unclosed '['")
+                host, rest = entry[: end + 1], entry[end + 1 :]
+                if rest:
+                    if not rest.startswith(":"):
+                        raise PeerAllowlistError(
+                            f"prefill_peers entry {entry!r}: expected [address]:port"
+                        )
+                    port = _port(entry, rest[1:])
+            elif entry.count(":") == 1:  # v4:port or name:port (bare IPv6 has several colons)
+                host, port_text = entry.split(":")
+                port = _port(entry, port_text)
+            addr = ip_literal(host)
+            if addr is not None:
+                addr = _plain(addr)
+                if port is None:
+                    networks.append(ipaddress.ip_network(addr))
+                else:
+                    addresses.add((addr, port))
+                continue
+            if host.startswith("[") or not is_valid_host(host):
+                raise PeerAllowlistError(
+                    f"prefill_peers entry {entry!r} is not a CIDR, an IP address or a host name "
+                    "(each with an optional :port)"
+                )
+            name = host.lower().rstrip(".")
+            if port is None:
+                names.add(name)
+            else:
+                name_ports.add((name, port))
+        return cls(tuple(networks), frozenset(addresses), frozenset(names),
+                   frozenset(name_ports))
+
+    def allows(self, host: str, port: int) -> bool:
+        """Whether ``host:port`` (as the params name it) may be dialed."""
+        if self.empty:
+            return True
+        addr = ip_literal(host)
+        if addr is not None:
+            addr = _plain(addr)
+            if (addr, port) in self.addresses:
+                return True
+            return any(addr.version == net.version and addr in net for net in self.networks)
+        if not is_valid_host(host):
+            return False
+        name = host.lower().rstrip(".")
+        return name in self.names or (name, port) in self.name_ports

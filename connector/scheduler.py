@@ -10,6 +10,15 @@ Decode role (``do_remote_prefill`` requests): ``get_num_new_matched_tokens`` ann
 remote tokens (async load) after validating the params; ``update_state_after_alloc`` queues the
 load into the newly allocated blocks; heartbeats keep the prefill lease alive while the request
 waits; load reports from the workers are returned in the finished request's params.
+
+What the params name is not trusted: with an ``auth_token`` their MAC
+(``turbowire_params_mac``) must verify, and with ``prefill_peers`` their host must be listed,
+before anything is dialed (a heartbeat, a handshake, a release); the claim and every heartbeat
+present this engine's own prompt, which the prefill engine compares with the one it staged.
+``kv_transfer_params`` that are not a mapping (smuggled through ``vllm_xargs``) are dropped in
+``on_new_request``, before vLLM's own scheduler reads them. Every vLLM-facing hook falls back
+instead of raising (connector.py): an exception in vLLM's engine-core loop kills the engine with
+every request in flight.
 """
 
 from __future__ import annotations
@@ -19,11 +28,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from turbowire.connector.config import TurboWireConfig
+from turbowire.connector.config import TurboWireConfig, security_warnings
 from turbowire.connector.geometry import block_tag, blocks_for_tokens, tokens_in_block
 from turbowire.connector.metadata import (
     LoadBlock,
@@ -37,10 +46,13 @@ from turbowire.connector.metadata import (
     TurboWireWorkerMeta,
 )
 from turbowire.connector.params import (
+    PeerAllowlist,
+    PeerNotAllowedError,
     RemotePrefill,
     TransferParamsError,
     is_remote_decode,
     is_remote_prefill,
+    params_mac_key,
     prefill_result,
     prompt_digest,
 )
@@ -50,7 +62,13 @@ from turbowire.connector.speculative import (
     remote_prefill_tokens,
     truncate_for_prefill,
 )
-from turbowire.connector.staging import LeaseAnswer, StagingFullError, StagingPool
+from turbowire.connector.staging import (
+    DuplicateLeaseError,
+    LeaseAnswer,
+    PromptClaim,
+    StagingFullError,
+    StagingPool,
+)
 from turbowire.connector.stats import TurboWireConnectorStats
 
 if TYPE_CHECKING:
@@ -63,6 +81,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAINTENANCE_PERIOD_S = 0.5
+#: A waiting decode request's first heartbeat goes out this long after it arrived (its load's
+#: claim usually comes first): well within the prefill engine's claim_timeout_seconds (>= 2 s)
+FIRST_HEARTBEAT_S = 1.0
 MAX_LET_GO = 65536  # remembered released leases (a few MiB at most)
 
 
@@ -84,7 +105,11 @@ class HeartbeatTarget:
     remote_request_id: str
     lease_token: str = field(repr=False)  # the lease's capability: never in a repr or log line
     interval: float
+    # set so that the first heartbeat goes out FIRST_HEARTBEAT_S after arrival: it claims the
+    # lease of a request still queued here before the prefill engine's claim_timeout_seconds
     last_sent: float = field(default_factory=time.monotonic)
+    prompt: PromptClaim = ("", 0)  # this engine's prompt (digest, tokens), presented with it
+    request_id: str = ""  # the decode request waiting for it
 
 
 class TurboWireScheduler:
@@ -112,9 +137,16 @@ class TurboWireScheduler:
             config.side_channel_port + vllm_config.parallel_config.data_parallel_index
         )
         self.stats = TurboWireConnectorStats()
+        share = config.staging_request_share
         self.pool = StagingPool(
-            self.layout.num_slots, config.lease_seconds, on_refused=self._lease_refused
+            self.layout.num_slots, config.lease_seconds, on_refused=self._lease_refused,
+            on_mismatch=self._prompt_mismatch, claim_seconds=config.claim_deadline_seconds,
+            max_age_seconds=config.lease_age_cap_seconds,
+            max_request_slots=None if share >= 1 else max(1, int(share * self.layout.num_slots)),
         )
+        # params MAC key (sign as prefill, verify as decode) and the peers this engine may dial
+        self._mac_key = params_mac_key(config.auth_token) if config.auth_token else None
+        self._allowlist = PeerAllowlist.parse(config.prefill_peers)
         self.speculative = setup.speculative
         self.drafts = DraftLedger(self.stats) if self.speculative.enabled else None
         self._kv_cache_manager: KVCacheManager | None = None
@@ -128,6 +160,8 @@ class TurboWireScheduler:
         self._reports: dict[str, LoadReport] = {}
         self._heartbeats: dict[str, HeartbeatTarget] = {}
         self._hb_lock = threading.Lock()
+        self._hb_inflight: set[tuple[str, int]] = set()  # peers with a heartbeat on the wire
+        self._hb_lanes: Any = None  # PeerExecutors: heartbeats to each peer on its own thread
         self._server: Any = None
         self._clients: Any = None
         self._stop = threading.Event()
@@ -161,6 +195,10 @@ class TurboWireScheduler:
                 self.speculative.num_speculative_tokens, self.speculative.draft_lookahead,
                 self.speculative.prefill_backoff,
             )
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        for line in security_warnings(config, extra, producer=self.is_producer,
+                                      consumer=self.is_consumer, port=self.side_channel_port):
+            logger.warning("turbowire security: %s", line)
         logger.info(
             "turbowire scheduler: engine %s, preset %s, %d layers (%d draft), block %d tokens, "
             "staging %d slots x %d B",
@@ -238,12 +276,23 @@ class TurboWireScheduler:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._hb_lanes is not None:
+            self._hb_lanes.shutdown(wait=False, cancel_futures=True)
         if self._clients is not None:
             self._clients.close()
 
     # ------------------------------------------------------------------ both roles
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
+        if params is not None and not isinstance(params, Mapping):
+            # vllm_xargs={"kv_transfer_params": "x"} gets here unchecked; vLLM's scheduler calls
+            # params.get right after this hook (and would die in its engine loop): drop them
+            logger.warning(
+                "request %s: kv_transfer_params is a %s, not an object; ignored (a plain "
+                "request)", request.request_id, type(params).__name__,
+            )
+            request.kv_transfer_params = params = None
+            self.stats.record_failure("bad_params")
         if self.drafts is not None:
             self.drafts.track(request)
         if self.is_producer and is_remote_decode(params):
@@ -258,15 +307,50 @@ class TurboWireScheduler:
                 return  # nothing to load or heartbeat: request_finished queues the release
             remote = self._parse(request)
             if remote is not None and remote.slots:
+                interval = max(0.5, remote.lease_seconds / 3)
                 with self._hb_lock:
                     self._heartbeats[request.request_id] = HeartbeatTarget(
                         host=remote.host,
                         port=remote.port,
                         remote_request_id=remote.request_id,
                         lease_token=remote.lease_token or "",
-                        interval=max(0.5, remote.lease_seconds / 3),
+                        interval=interval,
+                        last_sent=time.monotonic() - interval + min(interval, FIRST_HEARTBEAT_S),
+                        prompt=self._claim_prompt(request, remote),
+                        request_id=request.request_id,
                     )
             self._start_maintenance()
+
+    def forget(self, request: Request, finished: bool = False) -> None:
+        """Drop what this engine holds for a request after an internal error (connector.py's
+        fallback): its reserved staging slots, its heartbeats, and its params (treated as
+        refused from now on: nothing more is loaded or dialed for it)."""
+        rid = request.request_id
+        self._send.pop(rid, None)
+        self.pool.drop(rid)  # reserved slots only: a lease it already handed on stays
+        self._stop_heartbeat(rid)
+        self._load_queued.discard(rid)
+        self._reports.pop(rid, None)
+        if finished:
+            self._parsed.pop(rid, None)
+        else:
+            self._parsed[rid] = None
+        self._publish_gauges()
+
+    def fail_load(self, request: Request) -> None:
+        """The load announced to vLLM for ``request`` could not be planned (an internal error
+        in ``update_state_after_alloc``): the workers report it failed at once, so vLLM
+        recomputes or fails it per ``load_failure_policy`` instead of waiting for KV forever."""
+        rid = request.request_id
+        remote = self._parsed.get(rid)
+        if remote is not None:
+            load = _load_request(rid, remote, self._peer(remote), [])
+        else:
+            load = LoadRequest(rid, "", PeerAddress("", "", 0, 1), [], self.config.preset)
+        load.fail_reason = "internal"
+        self._load_queued.add(rid)
+        self._stop_heartbeat(rid)
+        self._queue_load(load)
 
     def build_connector_meta(self, scheduler_output: Any) -> TurboWireConnectorMetadata:
         meta = TurboWireConnectorMetadata()
@@ -276,7 +360,17 @@ class TurboWireScheduler:
             for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
                 state = self._send.get(req_id)
                 if state is not None and state.fallback is None:
-                    save = self._plan_save(state, num_scheduled)
+                    try:
+                        save = self._plan_save(state, num_scheduled)
+                    except Exception:  # noqa: BLE001 - one request falls back, the step goes on
+                        logger.exception(
+                            "turbowire: staging request %s failed; the decode engine recomputes "
+                            "its prompt", req_id,
+                        )
+                        self.pool.drop(req_id)
+                        state.fallback = "internal"
+                        self.stats.record_failure("internal")
+                        continue
                     if save is not None:
                         meta.saves.append(save)
         if self._pending_loads:
@@ -425,6 +519,7 @@ class TurboWireScheduler:
             if remote.slots:  # full local hit (or declined): only let the prefill engine go
                 self._queue_load(_load_request(req_id, remote, peer, []))
             return
+        claim = self._claim_prompt(request, remote)
         total = self._remote_total(remote, request)
         first_token = total - num_external_tokens
         first_block = first_token // self.block_size
@@ -449,7 +544,8 @@ class TurboWireScheduler:
         ]
         self._queue_load(
             _load_request(
-                req_id, remote, peer, load_blocks, [b.block_id for b in group[:last_block]]
+                req_id, remote, peer, load_blocks, [b.block_id for b in group[:last_block]],
+                prompt=claim,
             )
         )
 
@@ -467,9 +563,10 @@ class TurboWireScheduler:
         remote: RemotePrefill | None
         try:
             remote = RemotePrefill.parse(params, self.block_size)
+            self._authenticate(remote)
         except TransferParamsError as exc:
             logger.error("request %s: %s; its prompt is recomputed locally", req_id, exc)
-            self.stats.record_failure("bad_params")
+            self.stats.record_failure(exc.reason)
             remote = None
         else:
             problem = self._decline_reason(request, remote)
@@ -484,6 +581,27 @@ class TurboWireScheduler:
                 remote = dataclasses.replace(remote, num_tokens=0)
         self._parsed[req_id] = remote
         return remote
+
+    def _authenticate(self, remote: RemotePrefill) -> None:
+        """Before anything is dialed or resolved for these params: their MAC (an engine with an
+        ``auth_token``) and their peer (``prefill_peers``). Raises the refusal."""
+        if self._mac_key is not None:
+            remote.verify_mac(self._mac_key)
+        if not self._allowlist.allows(remote.host, remote.port):
+            raise PeerNotAllowedError(
+                f"kv_transfer_params name prefill engine {remote.host}:{remote.port}, which is "
+                "not in prefill_peers; nothing is dialed"
+            )
+
+    def _claim_prompt(self, request: Request, remote: RemotePrefill) -> PromptClaim:
+        """(digest, tokens) of this engine's own prompt as the lease must hold it: presented
+        with every heartbeat and the claim. ("", 0) (nothing checked) for declined params, which
+        load nothing, and for a prompt without token ids."""
+        tokens = request.prompt_token_ids
+        if tokens is None or remote.num_tokens <= 0:
+            return ("", 0)
+        n = min(remote.num_tokens, request.num_prompt_tokens)
+        return prompt_digest(tokens, n), n
 
     def _decline_reason(self, request: Request, remote: RemotePrefill) -> tuple[str, str] | None:
         if remote.fallback:
@@ -532,7 +650,9 @@ class TurboWireScheduler:
         do not apply, and nothing is counted: the request it stands for was counted by its own
         load, or never reached the connector. Malformed params are logged, not counted."""
         try:
-            return RemotePrefill.parse(request.kv_transfer_params or {}, self.block_size)
+            remote = RemotePrefill.parse(request.kv_transfer_params or {}, self.block_size)
+            self._authenticate(remote)  # nothing goes to a host the params merely name
+            return remote
         except TransferParamsError as exc:
             logger.info(
                 "cleanup request %s: %s; no lease to release", request.request_id, exc
@@ -572,13 +692,22 @@ class TurboWireScheduler:
             return None
         try:
             slots = self.pool.reserve(request.request_id, len(new))
-        except StagingFullError as exc:
+        except StagingFullError as exc:  # the pool is full, or the request's share of it
             logger.warning(
                 "request %s: %s; the decode engine recomputes its prompt", request.request_id, exc
             )
             self.pool.drop(request.request_id)
-            state.fallback = "staging_full"
-            self.stats.record_fallback("staging_full")
+            state.fallback = exc.reason
+            self.stats.record_fallback(exc.reason)
+            return None
+        except DuplicateLeaseError as exc:  # a repeated request id: the first one keeps its lease
+            logger.warning(
+                "request %s: %s; this one is not staged (the decode engine recomputes it)",
+                request.request_id, exc,
+            )
+            self.pool.drop(request.request_id)
+            state.fallback = "internal"
+            self.stats.record_failure("internal")
             return None
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
@@ -615,7 +744,6 @@ class TurboWireScheduler:
             self.pool.drop(req_id)
             self._publish_gauges()
             return None
-        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         expected_blocks = blocks_for_tokens(request.num_prompt_tokens, self.block_size)
         if state.fallback is None and state.encoded_blocks != expected_blocks:
             state.fallback = "incomplete"
@@ -633,7 +761,21 @@ class TurboWireScheduler:
             preset=self.config.preset,
             format_version=self.record.format_version,
             lease_seconds=self.config.lease_seconds,
+            mac_key=self._mac_key,
         )
+        num_tokens = request.num_prompt_tokens
+        digest = None
+        lease = None
+        if state.fallback is None:
+            prompt = request.prompt_token_ids or []
+            digest = prompt_digest(prompt, num_tokens) if prompt else None
+            try:  # bound to the prompt staged: a claim presenting another is refused
+                lease = self.pool.lease(req_id, state.wire_bytes, consumers=self.tp_size,
+                                        prompt_digest=digest, num_tokens=num_tokens)
+            except DuplicateLeaseError as exc:
+                logger.warning("request %s: %s; not handed to a decode engine", req_id, exc)
+                state.fallback = "internal"
+                self.stats.record_failure("internal")
         if state.fallback is not None:
             self.pool.drop(req_id)
             self._publish_gauges()
@@ -641,15 +783,13 @@ class TurboWireScheduler:
                 **common, slots=[], num_tokens=0, prompt_hash=None, dense_bytes=0,
                 wire_bytes=0, fallback=state.fallback,
             )
-        num_tokens = request.num_prompt_tokens
-        lease = self.pool.lease(req_id, state.wire_bytes, consumers=self.tp_size)
+        assert lease is not None
         self._publish_gauges()
-        prompt = request.prompt_token_ids or []
         return prefill_result(
             **common,
             slots=lease.slots,
             num_tokens=num_tokens,
-            prompt_hash=prompt_digest(prompt, num_tokens) if prompt else None,
+            prompt_hash=digest,
             dense_bytes=state.dense_bytes,
             wire_bytes=state.wire_bytes,
             lease_token=lease.token,
@@ -676,6 +816,13 @@ class TurboWireScheduler:
             self.stats.record_failure("incompatible")
         for _ in wrong:
             self.stats.record_failure("lease_refused")
+
+    def _prompt_mismatch(self, ids: list[str]) -> None:
+        """Claims (gRPC threads) that presented another prompt than the lease's: params of one
+        prompt sent with another. Counted once per lease; the decode engine counts its failed
+        load by the same reason."""
+        for _ in ids:
+            self.stats.record_failure("prompt_mismatch")
 
     def _gauge_values(self) -> tuple[int, int]:
         """(staging bytes in use, leases outstanding) of the pool right now. Every TP worker
@@ -713,43 +860,91 @@ class TurboWireScheduler:
                 logger.exception("turbowire maintenance step failed")
 
     def _send_heartbeats(self) -> None:
+        """Hand the due heartbeats to their peers' lanes (one call per peer, at most
+        ``MAX_IDS_PER_CALL`` ids each, a peer skipped while its last one is on the wire): the
+        maintenance thread never waits on the network, and a peer that never answers delays
+        no other peer's heartbeats (they were sent one peer after another, each up to
+        ``handshake_timeout_seconds``)."""
         now = time.monotonic()
-        due: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
+        due: dict[tuple[str, int], list[HeartbeatTarget]] = {}
         with self._hb_lock:
             for target in self._heartbeats.values():
+                key = (target.host, target.port)
+                if key in self._hb_inflight:
+                    continue
                 if now - target.last_sent >= target.interval:
                     target.last_sent = now
-                    ids, tokens = due.setdefault((target.host, target.port), ([], []))
-                    ids.append(target.remote_request_id)
-                    tokens.append(target.lease_token)
+                    due.setdefault(key, []).append(target)
+            self._hb_inflight.update(due)
         if not due:
             return
         if self._clients is None:
             from turbowire.connector.sidechannel.client import ClientPool
 
             self._clients = ClientPool.from_config(self.config)
-        for (host, port), (ids, tokens) in due.items():
+        if self._hb_lanes is None:
+            from turbowire.connector.sidechannel.client import PeerExecutors
+
+            self._hb_lanes = PeerExecutors(self.config.max_peers, threads_per_peer=1,
+                                           thread_name_prefix="tw-heartbeat")
+        for key, targets in due.items():
             try:
-                reply = self._clients.get(host, port).heartbeat(
-                    ids, self.engine_id, lease_tokens=tokens
-                )
-            except Exception as exc:  # noqa: BLE001 - logged and counted, retried next period
-                logger.warning("heartbeat to %s:%d failed: %s", host, port, exc)
-                self.stats.record_failure("peer_unreachable")
-                continue
-            refused = set(reply.refused)
-            if refused:
-                logger.warning(
-                    "prefill engine %s:%d refused heartbeats for leases %s: the lease token in "
-                    "their kv_transfer_params is not the lease's (altered params, or another "
-                    "request's)", host, port, sorted(refused)[:5],
-                )
-            expired = [rid for rid in reply.unknown if rid not in refused]
-            if expired:
-                logger.warning(
-                    "prefill engine %s:%d no longer holds leases %s (expired?)",
-                    host, port, expired[:5],
-                )
+                self._hb_lanes.submit_to(key, self._heartbeat_peer, key, targets)
+            except RuntimeError:  # shut down
+                with self._hb_lock:
+                    self._hb_inflight.discard(key)
+
+    def _heartbeat_peer(self, key: tuple[str, int], targets: list[HeartbeatTarget]) -> None:
+        """One peer's heartbeats (its lane's thread); refused or mismatched leases are not
+        heartbeated again."""
+        from turbowire.connector.sidechannel.client import batched
+
+        host, port = key
+        try:
+            for rows in batched(targets):
+                batch = [targets[i] for i in rows]
+                try:
+                    reply = self._clients.get(host, port).heartbeat(
+                        [t.remote_request_id for t in batch], self.engine_id,
+                        lease_tokens=[t.lease_token for t in batch],
+                        prompts=[t.prompt for t in batch],
+                    )
+                except Exception as exc:  # noqa: BLE001 - logged and counted, retried next period
+                    logger.warning("heartbeat to %s:%d failed: %s", host, port, exc)
+                    self.stats.record_failure("peer_unreachable")
+                    return
+                self._heartbeat_answered(host, port, batch, reply)
+        finally:
+            with self._hb_lock:
+                self._hb_inflight.discard(key)
+
+    def _heartbeat_answered(self, host: str, port: int, batch: list[HeartbeatTarget],
+                            reply: Any) -> None:
+        refused = set(reply.refused)
+        mismatched = set(getattr(reply, "prompt_mismatch", ()))
+        if refused:
+            logger.warning(
+                "prefill engine %s:%d refused heartbeats for leases %s: the lease token in "
+                "their kv_transfer_params is not the lease's (altered params, or another "
+                "request's)", host, port, sorted(refused)[:5],
+            )
+        if mismatched:
+            logger.warning(
+                "prefill engine %s:%d refused heartbeats for leases %s: they hold the KV of "
+                "another prompt than this engine's requests (kv_transfer_params of another "
+                "prompt)", host, port, sorted(mismatched)[:5],
+            )
+        expired = [rid for rid in reply.unknown if rid not in refused and rid not in mismatched]
+        if expired:
+            logger.warning(
+                "prefill engine %s:%d no longer holds leases %s (expired?)",
+                host, port, expired[:5],
+            )
+        if refused or mismatched:
+            with self._hb_lock:
+                for t in batch:
+                    if t.remote_request_id in refused | mismatched and t.request_id:
+                        self._heartbeats.pop(t.request_id, None)
 
 
 def _load_request(
@@ -758,11 +953,13 @@ def _load_request(
     peer: PeerAddress,
     blocks: list[LoadBlock],
     block_ids: list[int] | None = None,
+    prompt: PromptClaim = ("", 0),
 ) -> LoadRequest:
-    """A load (no blocks: only the release) of ``remote``'s lease, with the lease's token."""
+    """A load (no blocks: only the release) of ``remote``'s lease, with the lease's token and
+    this engine's prompt for the claim."""
     return LoadRequest(
         req_id, remote.request_id, peer, blocks, remote.preset, block_ids or [],
-        lease_token=remote.lease_token or "",
+        lease_token=remote.lease_token or "", prompt_digest=prompt[0], prompt_tokens=prompt[1],
     )
 
 
@@ -801,8 +998,11 @@ class _GaugedLeases:
         self._owner._publish_gauges()
         return result
 
-    def heartbeat(self, request_ids: Sequence[str], tokens: Sequence[str]) -> LeaseAnswer:
-        return self._owner.pool.heartbeat(request_ids, tokens)
+    def heartbeat(
+        self, request_ids: Sequence[str], tokens: Sequence[str],
+        prompts: Sequence[PromptClaim] | None = None,
+    ) -> LeaseAnswer:
+        return self._owner.pool.heartbeat(request_ids, tokens, prompts)
 
     def snapshot(self) -> Any:
         return self._owner.pool.snapshot()

@@ -6,6 +6,14 @@ decode engine reports it has read them (``release``) or the lease runs out (``re
 side channel calls ``release``/``heartbeat`` from its threads, the scheduler calls the rest from
 the engine loop, so every method takes the lock.
 
+A lease is bound to the prompt it was staged for (``prompt_digest`` and ``num_tokens``, recorded
+by the prefill engine): a heartbeat or claim that presents another digest or token count (the
+decode engine's own prompt) extends nothing and is answered ``mismatched``, so params of one
+prompt presented with another are never loaded, whatever their ``turbowire_prompt_hash`` says.
+A new lease waits ``claim_seconds`` for its first claim or heartbeat (an unclaimed lease stops
+holding the pool early), and heartbeats extend it by ``lease_seconds`` up to ``max_age_seconds``
+in all.
+
 Every lease carries an unguessable ``token`` (its capability, handed to the decode engine in the
 request's ``kv_transfer_params``). The side channel passes the tokens its caller presented, and
 a release or heartbeat without the lease's token frees or extends nothing: to the caller it is
@@ -24,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from turbowire.connector.params import new_lease_token
 from turbowire.errors import TurboWireError
@@ -36,6 +43,19 @@ class StagingFullError(TurboWireError, RuntimeError):
     """Not enough free staging slots: back-pressure, the caller falls back."""
 
     reason = "staging_full"
+
+
+class StagingShareError(StagingFullError):
+    """The request would hold more than its share of the pool (``staging_request_share``)."""
+
+    reason = "staging_share"
+
+
+class DuplicateLeaseError(TurboWireError, ValueError):
+    """A request id that already holds a lease asked for slots again (a repeated request id):
+    the new request falls back, the lease of the first one is left alone."""
+
+    reason = "internal"
 
 
 @dataclass
@@ -51,15 +71,47 @@ class Lease:
     released_by: set[int] = field(default_factory=set)
     token: str = field(default_factory=new_lease_token, repr=False)  # the lease's capability
     refusals: int = 0  # calls that named this lease without its token
+    prompt_digest: str | None = None  # of the staged prompt tokens (None: not bound)
+    num_tokens: int = 0  # prompt tokens staged
+    created: float = 0.0
+    claimed: bool = False  # a claim or heartbeat with its token arrived
+    mismatches: int = 0  # claims that presented another prompt
 
 
-class LeaseAnswer(NamedTuple):
-    """What a release or heartbeat did to each id it named (the side channel's LeaseReply)."""
+class LeaseAnswer(tuple):
+    """What a release or heartbeat did to each id it named (the side channel's LeaseReply):
+    ``(done, unknown, refused)``, a 3-tuple as before, plus ``mismatched``.
 
-    done: list[str]  # released (by this consumer) or extended
-    unknown: list[str]  # freed/extended nothing: not held, expired, not a reader, or refused
-    refused: list[str]  # the ids of ``unknown`` whose lease is held but was named without its
-    #                     token (missing or wrong): not an expiry
+    ``done``: released (by this consumer) or extended. ``unknown``: freed/extended nothing (not
+    held, expired, not a reader, refused or mismatched). ``refused``: the ids of ``unknown``
+    whose lease is held but was named without its token (missing or wrong): not an expiry.
+    ``mismatched``: the ids of ``unknown`` whose claim presented another prompt than the one
+    staged (heartbeats only).
+    """
+
+    mismatched: list[str]
+
+    def __new__(cls, done: list[str], unknown: list[str], refused: list[str],
+                mismatched: list[str] | None = None) -> LeaseAnswer:
+        answer = super().__new__(cls, (done, unknown, refused))
+        answer.mismatched = list(mismatched or ())
+        return answer
+
+    @property
+    def done(self) -> list[str]:
+        return self[0]
+
+    @property
+    def unknown(self) -> list[str]:
+        return self[1]
+
+    @property
+    def refused(self) -> list[str]:
+        return self[2]
+
+
+#: (prompt digest, token count) a claim presents for each id ("" digest: none presented)
+PromptClaim = tuple[str, int]
 
 
 @dataclass
@@ -80,6 +132,12 @@ class StagingPool:
     #: Called (outside the lock) with the ids a release/heartbeat named without their lease's
     #: token: (ids with no token at all, ids with a wrong one); only a lease's first refusal.
     on_refused: Callable[[list[str], list[str]], None] | None = field(default=None, repr=False)
+    #: Called (outside the lock) with the ids whose claim presented another prompt (first time
+    #: per lease).
+    on_mismatch: Callable[[list[str]], None] | None = field(default=None, repr=False)
+    claim_seconds: float | None = None  # a new lease's wait for its first claim (None: lease)
+    max_age_seconds: float | None = None  # cap on a lease's life, heartbeats included
+    max_request_slots: int | None = None  # one request's share of the pool (None: the pool)
     _free: list[int] = field(init=False, repr=False)
     _reserved: dict[str, list[int]] = field(init=False, default_factory=dict, repr=False)
     _leases: dict[str, Lease] = field(init=False, default_factory=dict, repr=False)
@@ -98,7 +156,15 @@ class StagingPool:
             raise ValueError("count must be >= 0")
         with self._lock:
             if request_id in self._leases:
-                raise ValueError(f"request {request_id} already holds a lease")
+                raise DuplicateLeaseError(
+                    f"request id {request_id} already holds a lease (a repeated request id?)"
+                )
+            held = len(self._reserved.get(request_id, ()))
+            if self.max_request_slots is not None and held + count > self.max_request_slots:
+                raise StagingShareError(
+                    f"request needs {held + count} staging slots, more than its share of "
+                    f"{self.max_request_slots} of {self.num_slots} (staging_request_share)"
+                )
             if count > len(self._free):
                 raise StagingFullError(
                     f"staging pool full: need {count} slots, {len(self._free)} free of "
@@ -119,14 +185,28 @@ class StagingPool:
             self._give_back(slots)
             return len(slots)
 
-    def lease(self, request_id: str, wire_bytes: int = 0, consumers: int = 1) -> Lease:
-        """Turn the reserved slots of a finished request into a lease that expires; its
-        ``token`` is fresh (hand it to the decode engine, never log it)."""
+    def lease(
+        self,
+        request_id: str,
+        wire_bytes: int = 0,
+        consumers: int = 1,
+        prompt_digest: str | None = None,
+        num_tokens: int = 0,
+    ) -> Lease:
+        """Turn the reserved slots of a finished request into a lease bound to its prompt
+        (``prompt_digest`` of its first ``num_tokens`` tokens) that expires unless claimed within
+        ``claim_seconds``; its ``token`` is fresh (hand it to the decode engine, never log it)."""
         with self._lock:
+            if request_id in self._leases:
+                raise DuplicateLeaseError(f"request id {request_id} already holds a lease")
             slots = self._reserved.pop(request_id, [])
+            now = self.clock()
+            wait = self.lease_seconds
+            if self.claim_seconds is not None:
+                wait = min(wait, self.claim_seconds)
             lease = Lease(
-                request_id, slots, self.clock() + self.lease_seconds, wire_bytes,
-                consumers=max(1, consumers),
+                request_id, slots, now + wait, wire_bytes, consumers=max(1, consumers),
+                prompt_digest=prompt_digest, num_tokens=num_tokens, created=now,
             )
             self._leases[request_id] = lease
             return lease
@@ -168,16 +248,24 @@ class StagingPool:
         return LeaseAnswer(released, unknown, refused)
 
     def heartbeat(
-        self, request_ids: Iterable[str], tokens: Sequence[str] | None = None
+        self,
+        request_ids: Iterable[str],
+        tokens: Sequence[str] | None = None,
+        prompts: Sequence[PromptClaim] | None = None,
     ) -> LeaseAnswer:
         """Extend leases of requests the decode engine still waits to read (also its claim
         before decoding: a lease it does not hold is unknown, and nothing is decoded; one held
-        but named without its token is also refused)."""
+        but named without its token is also refused). ``prompts[i]``: the (digest, token count)
+        of the caller's own prompt for ``request_ids[i]``; a lease staged for another prompt is
+        unknown and mismatched to it, and not extended. A call presenting no digest ("") is an
+        older decode engine's: not checked."""
         extended: list[str] = []
         unknown: list[str] = []
         refused: list[str] = []
+        mismatched: list[str] = []
         missing: list[str] = []
         wrong: list[str] = []
+        first_mismatch: list[str] = []
         ids = list(request_ids)
         with self._lock:
             now = self.clock()
@@ -190,11 +278,32 @@ class StagingPool:
                     unknown.append(rid)
                     refused.append(rid)
                     continue
-                lease.expires_at = max(lease.expires_at, now + self.lease_seconds)
+                claim = prompts[i] if prompts is not None and i < len(prompts) else ("", 0)
+                if not _same_prompt(lease, claim):
+                    unknown.append(rid)
+                    mismatched.append(rid)
+                    lease.mismatches += 1
+                    if lease.mismatches == 1:
+                        first_mismatch.append(rid)
+                    continue
+                until = now + self.lease_seconds
+                if self.max_age_seconds is not None:
+                    until = min(until, lease.created + max(self.max_age_seconds,
+                                                           self.lease_seconds))
+                lease.expires_at = max(lease.expires_at, until)
                 lease.heartbeats += 1
+                lease.claimed = True
                 extended.append(rid)
         self._refused(missing, wrong)
-        return LeaseAnswer(extended, unknown, refused)
+        if first_mismatch:
+            logger.warning(
+                "claims of leases %s refused: the decode engine's prompt is not the one staged "
+                "(kv_transfer_params of another prompt, their turbowire_prompt_hash replaced?)",
+                first_mismatch[:5],
+            )
+            if self.on_mismatch is not None:
+                self.on_mismatch(first_mismatch)
+        return LeaseAnswer(extended, unknown, refused, mismatched)
 
     @staticmethod
     def _holds(
@@ -236,12 +345,17 @@ class StagingPool:
                 del self._leases[lease.request_id]
                 self._give_back(lease.slots)
         for lease in expired:
-            logger.warning(
-                "lease of request %s expired after %d heartbeats: %d staging slots freed unread",
-                lease.request_id,
-                lease.heartbeats,
-                len(lease.slots),
-            )
+            if lease.claimed:
+                logger.warning(
+                    "lease of request %s expired after %d heartbeats (%.0f s old): %d staging "
+                    "slots freed unread", lease.request_id, lease.heartbeats,
+                    now - lease.created, len(lease.slots),
+                )
+            else:
+                logger.warning(
+                    "lease of request %s was never claimed by a decode engine: %d staging slots "
+                    "freed unread (claim_timeout_seconds)", lease.request_id, len(lease.slots),
+                )
         return expired
 
     def snapshot(self) -> PoolSnapshot:
@@ -260,6 +374,17 @@ class StagingPool:
     def _give_back(self, slots: Iterable[int]) -> None:
         for s in slots:
             heapq.heappush(self._free, s)
+
+
+def _same_prompt(lease: Lease, claim: PromptClaim) -> bool:
+    """Whether a claim's (digest, token count) is the lease's prompt; a claim without a digest
+    (an older decode engine) or a lease not bound to a prompt is not checked."""
+    digest, num_tokens = claim
+    if not digest or lease.prompt_digest is None:
+        return True
+    return num_tokens == lease.num_tokens and hmac.compare_digest(
+        digest.encode(), lease.prompt_digest.encode()
+    )
 
 
 class ByteRanges:

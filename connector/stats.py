@@ -95,6 +95,12 @@ KNOWN_REASONS: tuple[str, ...] = (
     "staging_full",
     "store_miss",
     "bad_params",
+    "unauthenticated_params",  # params without a valid MAC (auth_token set): nothing dialed
+    "peer_not_allowed",  # params naming a host outside prefill_peers: nothing dialed
+    "prompt_mismatch",  # params (or a claim) of another prompt than the staged one
+    "internal",  # an unexpected error in turbowire's own code: the request fell back
+    "staging_share",  # one request would exceed staging_request_share of the pool
+    "store_unsupported_input",  # prompt embeds: no store key vLLM would agree with
     "other",
 )
 

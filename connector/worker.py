@@ -19,7 +19,6 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +34,7 @@ from turbowire.connector.metadata import (
     TurboWireHandshakeMetadata,
     TurboWireWorkerMeta,
 )
+from turbowire.connector.sidechannel.client import PeerExecutors
 from turbowire.connector.spec import TRANSPORT, EngineSetup
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import TurboWireConnectorStats
@@ -85,8 +85,11 @@ class TurboWireWorker:
         self._sizes: dict[tuple[int, int, bool], int] = {}
         self._saved_layers: set[int] = set()
         self._step_encode_seconds = 0.0
-        self._executor = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="tw-worker",
+        # side-channel calls (handshakes, claims, releases) on per-peer lanes: a prefill engine
+        # that never answers holds up its own loads only (one pool for all peers stalled every
+        # peer's loads behind two such calls)
+        self._executor = PeerExecutors(
+            max_peers=config.max_peers, threads_per_peer=2, thread_name_prefix="tw-worker",
             initializer=threads.pin_current_thread,
             initargs=(threads.resolve(config.connector_thread_cpus),),
         )

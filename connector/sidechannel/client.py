@@ -2,9 +2,15 @@
 
 gRPC errors are mapped to specific exceptions so the connector can count them by reason
 (``incompatible``, ``peer_unreachable``, ``handshake``) and say what to fix. Every call carries a
-deadline (``handshake_timeout_seconds``), messages are bounded to ``MAX_MESSAGE_BYTES`` both ways,
-and with a :class:`~turbowire.connector.sidechannel.server.SideChannelTLS` holding a CA bundle the
-channel is TLS, verifying the peer's certificate and host name against that CA only.
+deadline (``handshake_timeout_seconds``), requests are bounded to ``MAX_REQUEST_BYTES`` and
+replies to ``MAX_MESSAGE_BYTES``, and with a
+:class:`~turbowire.connector.sidechannel.server.SideChannelTLS` holding a CA bundle the channel
+is TLS, verifying the peer's certificate and host name against that CA only.
+
+Peers are isolated from each other: :class:`ClientPool` keeps at most ``max_peers`` channels
+(least recently used closed first) and :class:`PeerExecutors` runs each peer's calls on that
+peer's own threads, so a peer that accepts connections and never answers holds up only the calls
+to it, never a healthy peer's handshake, claim, release or heartbeat.
 """
 
 from __future__ import annotations
@@ -12,8 +18,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -29,7 +38,9 @@ from turbowire.connector.sidechannel.convert import (
 from turbowire.connector.sidechannel.server import (
     AUTH_HEADER,
     FIELD_TRAILER,
+    MAX_IDS_PER_CALL,
     MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
     SideChannelTLS,
 )
 from turbowire.errors import TurboWireError
@@ -63,7 +74,8 @@ class SideChannelTLSError(SideChannelError):
 
 
 class SideChannelMessageTooLargeError(SideChannelError):
-    """A message exceeded ``MAX_MESSAGE_BYTES`` (ours or the peer's) and was not sent/accepted."""
+    """A message exceeded its bound (``MAX_REQUEST_BYTES`` for requests, ``MAX_MESSAGE_BYTES``
+    for replies) and was not sent/accepted."""
 
 
 _TLS_FAILURE_WORDS = ("ssl", "tls", "handshake", "certificate", "verification")
@@ -129,7 +141,7 @@ class SideChannelClient:
         self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
             # gRPC's default reconnect backoff grows to 120 s: a restarted peer stayed
             # "connection refused" for 18-30 s after it was back; retry within a second (the
             # minimum, which is also gRPC's connect timeout, stays at its default)
@@ -161,7 +173,8 @@ class SideChannelClient:
         ):
             return SideChannelMessageTooLargeError(
                 f"{what} to {where} refused: a side-channel message exceeds the limit of "
-                f"{format_size(MAX_MESSAGE_BYTES)} ({details})"
+                f"{format_size(MAX_REQUEST_BYTES)} per request, {format_size(MAX_MESSAGE_BYTES)} "
+                f"per reply ({details})"
             )
         lowered = (details or "").lower()
         tls_failed = any(word in lowered for word in _TLS_FAILURE_WORDS)
@@ -239,12 +252,26 @@ class SideChannelClient:
         request_ids: Sequence[str],
         engine_id: str = "",
         lease_tokens: Sequence[str] | None = None,
+        prompts: Sequence[tuple[str, int]] | None = None,
     ) -> pb.LeaseReply:
-        """Extend (or claim) leases, presenting each one's token like :meth:`release`."""
+        """Extend (or claim) leases, presenting each one's token like :meth:`release` and, in
+        ``prompts[i]``, the (digest, token count) of this engine's own prompt for
+        ``request_ids[i]``: the prefill engine answers a lease staged for another prompt in
+        ``prompt_mismatch`` and extends nothing for it."""
         ids, tokens = _with_tokens(request_ids, lease_tokens)
+        digests: list[str] = []
+        counts: list[int] = []
+        if prompts is not None:
+            if len(prompts) != len(ids):
+                raise ValueError(f"{len(prompts)} prompts for {len(ids)} request ids")
+            digests = [d or "" for d, _ in prompts]
+            counts = [max(0, int(n)) for _, n in prompts]
+            if not any(digests):
+                digests, counts = [], []
         try:
             return self._stub.Heartbeat(
-                pb.LeaseRequest(request_ids=ids, engine_id=engine_id, lease_tokens=tokens),
+                pb.LeaseRequest(request_ids=ids, engine_id=engine_id, lease_tokens=tokens,
+                                prompt_digests=digests, prompt_tokens=counts),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )
@@ -262,25 +289,33 @@ class SideChannelClient:
 
 
 class ClientPool:
-    """One client per (host, port), shared by the threads of a process."""
+    """One client per (host, port), shared by the threads of a process; at most ``max_clients``
+    (the least recently used beyond it is closed: a channel to a dead host otherwise keeps
+    reconnecting in the background for as long as the process lives)."""
 
     def __init__(
-        self, auth_token: str | None, timeout: float, tls: SideChannelTLS | None = None
+        self, auth_token: str | None, timeout: float, tls: SideChannelTLS | None = None,
+        max_clients: int = 64,
     ) -> None:
+        if max_clients < 1:
+            raise ValueError("max_clients must be >= 1")
         self._auth_token = auth_token
         self._timeout = timeout
         self._tls = tls
-        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self.max_clients = max_clients
+        self._clients: OrderedDict[tuple[str, int], SideChannelClient] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: TurboWireConfig) -> ClientPool:
         """Token, deadline and TLS material (``side_channel_tls_*``) of an engine's config."""
         return cls(
-            config.auth_token, config.handshake_timeout_seconds, SideChannelTLS.from_config(config)
+            config.auth_token, config.handshake_timeout_seconds, SideChannelTLS.from_config(config),
+            max_clients=config.max_peers,
         )
 
     def get(self, host: str, port: int) -> SideChannelClient:
+        evicted: list[SideChannelClient] = []
         with self._lock:
             client = self._clients.get((host, port))
             if client is None:
@@ -288,10 +323,94 @@ class ClientPool:
                     host, port, self._auth_token, self._timeout, self._tls
                 )
                 self._clients[(host, port)] = client
-            return client
+                while len(self._clients) > self.max_clients:
+                    evicted.append(self._clients.popitem(last=False)[1])
+            else:
+                self._clients.move_to_end((host, port))
+        for old in evicted:
+            logger.info("closing the side-channel client of %s:%d (max_peers)", old.host, old.port)
+            old.close()
+        return client
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._clients)
 
     def close(self) -> None:
         with self._lock:
             for client in self._clients.values():
                 client.close()
             self._clients.clear()
+
+
+def batched(ids: Sequence[Any], size: int = MAX_IDS_PER_CALL) -> list[range]:
+    """Index ranges of at most ``size`` ids: one side-channel call each (the server refuses
+    more per call)."""
+    return [range(i, min(i + size, len(ids))) for i in range(0, len(ids), size)]
+
+
+class PeerExecutors:
+    """A small thread pool per peer (any hashable key, e.g. ``(host, port)``), at most
+    ``max_peers`` of them (the least recently used is shut down: its running calls finish, each
+    bounded by its deadline). A peer that accepts connections and never answers ties up only its
+    own ``threads_per_peer`` threads; with one pool for all peers, two such calls stalled every
+    other peer's handshakes and claims for their whole deadline."""
+
+    def __init__(
+        self,
+        max_peers: int,
+        threads_per_peer: int = 2,
+        thread_name_prefix: str = "tw-peer",
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+    ) -> None:
+        if max_peers < 1 or threads_per_peer < 1:
+            raise ValueError("max_peers and threads_per_peer must be >= 1")
+        self.max_peers = max_peers
+        self.threads_per_peer = threads_per_peer
+        self._prefix = thread_name_prefix
+        self._initializer = initializer
+        self._initargs = initargs
+        self._lanes: OrderedDict[Hashable, ThreadPoolExecutor] = OrderedDict()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit_to(self, key: Hashable, fn: Callable[..., Any], *args: Any,
+                  **kwargs: Any) -> Future:
+        """Run ``fn`` on ``key``'s threads; raises RuntimeError once shut down."""
+        evicted: list[ThreadPoolExecutor] = []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = ThreadPoolExecutor(
+                    max_workers=self.threads_per_peer,
+                    thread_name_prefix=f"{self._prefix}{len(self._lanes)}",
+                    initializer=self._initializer, initargs=self._initargs,
+                )
+                self._lanes[key] = lane
+                while len(self._lanes) > self.max_peers:
+                    evicted.append(self._lanes.popitem(last=False)[1])
+            else:
+                self._lanes.move_to_end(key)
+            future = lane.submit(fn, *args, **kwargs)
+        for old in evicted:
+            old.shutdown(wait=False, cancel_futures=False)
+        return future
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run ``fn`` on the shared lane (calls not tied to one peer)."""
+        return self.submit_to(None, fn, *args, **kwargs)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lanes)
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes.values())
+            self._lanes.clear()
+        for lane in lanes:
+            lane.shutdown(wait=wait, cancel_futures=cancel_futures)

@@ -42,6 +42,7 @@ def record_to_proto(record: CompatibilityRecord) -> pb.CompatibilityRecord:
         codec_format_version=record.codec_format_version,
         tp_size=record.tp_size,
         speculative_config=record.speculative_config,
+        weights=record.weights,
     )
 
 
@@ -63,6 +64,7 @@ def record_from_proto(msg: pb.CompatibilityRecord) -> CompatibilityRecord:
         codec_format_version=msg.codec_format_version,
         tp_size=msg.tp_size,
         speculative_config=msg.speculative_config,
+        weights=msg.weights,
     )
 
 

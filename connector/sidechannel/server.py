@@ -13,7 +13,15 @@ refusal, not an expiry.
 With :class:`SideChannelTLS` (``side_channel_tls_cert``/``_key``) the server speaks TLS only; with
 a CA bundle too (``side_channel_tls_ca``) it also requires client certificates signed by that CA
 (mTLS), refused in the TLS handshake before any call reaches the token check or the service. The
-token is checked over TLS as well. Messages are bounded to ``MAX_MESSAGE_BYTES`` both ways.
+token is checked over TLS as well. A heartbeat (the decode engine's claim) may also present the
+caller's own prompt for each lease (``prompt_digests``/``prompt_tokens``): a lease staged for
+another prompt is answered ``prompt_mismatch`` and not extended.
+
+Bounds: the server receives at most ``MAX_REQUEST_BYTES`` (1 MiB: no caller, authenticated or
+not, pins more per call while gRPC buffers it ahead of the token check), sends at most
+``MAX_MESSAGE_BYTES`` (NIXL metadata), serves ``MAX_CONCURRENT_RPCS`` calls at once and at most
+``MAX_IDS_PER_CALL`` request ids per call (each call walks its ids under the staging pool's lock,
+which the engine loop takes too).
 """
 
 from __future__ import annotations
@@ -49,9 +57,13 @@ logger = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
 FIELD_TRAILER = "turbowire-field"
-MAX_IDS_PER_CALL = 65536
+MAX_IDS_PER_CALL = 4096
 MAX_LEASE_TOKEN_CHARS = 128
-MAX_MESSAGE_BYTES = 32 << 20
+MAX_PROMPT_DIGEST_CHARS = 64
+MAX_MESSAGE_BYTES = 32 << 20  # replies (handshake: NIXL metadata); what a client accepts
+MAX_REQUEST_BYTES = 1 << 20  # requests: what the server accepts, what a client sends
+MAX_CONCURRENT_RPCS = 64
+UNKNOWN_LOG_PERIOD_S = 10.0  # at most one INFO line per period about releases of unknown leases
 TLS_KEYS = ("side_channel_tls_cert", "side_channel_tls_key", "side_channel_tls_ca")
 
 
@@ -139,15 +151,18 @@ class SideChannelTLS:
 
 class LeaseHandler(Protocol):
     """The prefill engine's leases; ``tokens[i]`` is the capability presented for
-    ``request_ids[i]`` ("" when the caller sent none). Returns (done, unknown, refused), refused
-    a subset of unknown (:class:`~turbowire.connector.staging.LeaseAnswer`)."""
+    ``request_ids[i]`` ("" when the caller sent none), ``prompts[i]`` the caller's prompt
+    (digest, tokens). Returns (done, unknown, refused), refused a subset of unknown, and a
+    heartbeat's answer may carry ``mismatched``, another subset of unknown
+    (:class:`~turbowire.connector.staging.LeaseAnswer`)."""
 
     def release(
         self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str]
     ) -> tuple[list[str], list[str], list[str]]: ...
 
     def heartbeat(
-        self, request_ids: Sequence[str], tokens: Sequence[str]
+        self, request_ids: Sequence[str], tokens: Sequence[str],
+        prompts: Sequence[tuple[str, int]] | None = None,
     ) -> tuple[list[str], list[str], list[str]]: ...
 
     def snapshot(self) -> Any: ...
@@ -186,6 +201,8 @@ class HandshakeCounters:
 class _Servicer(pb_grpc.SideChannelServicer):
     def __init__(self, owner: SideChannelServer) -> None:
         self._owner = owner
+        self._unknown_logged = 0.0  # monotonic time of the last "unknown leases" line
+        self._unknown_quiet = 0  # such calls not logged since
 
     def Handshake(  # noqa: N802 (gRPC naming)
         self, request: pb.HandshakeRequest, context: grpc.ServicerContext
@@ -240,21 +257,60 @@ class _Servicer(pb_grpc.SideChannelServicer):
             )
         return ids, tokens or [""] * len(ids)
 
+    def _prompts(
+        self, request: pb.LeaseRequest, n: int, context: grpc.ServicerContext
+    ) -> list[tuple[str, int]] | None:
+        """The (digest, token count) presented per id, or None when the caller sent none."""
+        digests, counts = list(request.prompt_digests), list(request.prompt_tokens)
+        if not digests and not counts:
+            return None
+        if len(digests) != n or len(counts) != n:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(digests)} prompt digests and {len(counts)} token counts for {n} request "
+                "ids (one each per id, in order)",
+            )
+        if any(len(d) > MAX_PROMPT_DIGEST_CHARS for d in digests):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a prompt digest is longer than {MAX_PROMPT_DIGEST_CHARS} characters",
+            )
+        return list(zip(digests, counts, strict=True))
+
+    def _log_unknown(self, unknown: list[str]) -> None:
+        """Releases of leases this engine does not hold (expired, refused, a peer's retry):
+        logged at most once per ``UNKNOWN_LOG_PERIOD_S``, a caller cannot flood the log."""
+        now = time.monotonic()
+        if now - self._unknown_logged < UNKNOWN_LOG_PERIOD_S:
+            self._unknown_quiet += 1
+            return
+        quiet, self._unknown_quiet, self._unknown_logged = self._unknown_quiet, 0, now
+        logger.info(
+            "release for unknown/expired/refused leases %s%s", unknown[:5],
+            f" ({quiet} more such calls not logged)" if quiet else "",
+        )
+
     def ReleaseLease(  # noqa: N802
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
         ids, tokens = self._ids(request, context)
         done, unknown, refused = self._owner.leases.release(ids, request.tp_rank, tokens)
         if unknown:
-            logger.info("release for unknown/expired/refused leases %s", unknown[:5])
+            self._log_unknown(unknown)
         return pb.LeaseReply(done=done, unknown=unknown, refused=refused)
 
     def Heartbeat(  # noqa: N802
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
         ids, tokens = self._ids(request, context)
-        done, unknown, refused = self._owner.leases.heartbeat(ids, tokens)
-        return pb.LeaseReply(done=done, unknown=unknown, refused=refused)
+        prompts = self._prompts(request, len(ids), context)
+        leases = self._owner.leases
+        answer = leases.heartbeat(ids, tokens) if prompts is None else leases.heartbeat(
+            ids, tokens, prompts)
+        done, unknown, refused = answer
+        mismatched = getattr(answer, "mismatched", [])
+        return pb.LeaseReply(done=done, unknown=unknown, refused=refused,
+                             prompt_mismatch=mismatched)
 
     def PoolStatus(  # noqa: N802
         self, request: pb.PoolStatusRequest, context: grpc.ServicerContext
@@ -298,10 +354,11 @@ class SideChannelServer:
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tw-sidechan"),
             interceptors=interceptors,
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
         pb_grpc.add_SideChannelServicer_to_server(_Servicer(self), self._server)
         address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"

@@ -83,6 +83,16 @@ def _kind_schema(kind: Any) -> dict[str, Any]:
                 {"type": "string", "minLength": 1},
             ]
         }
+    if isinstance(kind, c.Fraction):
+        return {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+    if isinstance(kind, c.PeerList):
+        return {
+            "oneOf": [
+                {"type": "array", "items": {"type": "string", "minLength": 1}},
+                {"type": "string"},
+            ],
+            "description": "CIDRs, IPs or host names, each with an optional port",
+        }
     if isinstance(kind, c.ParamsByName):
         return {
             "type": "object",

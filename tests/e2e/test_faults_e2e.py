@@ -568,6 +568,11 @@ MALFORMED = {
     "unknown-fields": (_replace(foo="bar", remote_xyz=[1, 2], turbowire_zzz={"a": 1}),
                        "transferred"),
     "unreachable-host": (_replace(remote_host="127.0.0.2", remote_port=1), "peer_unreachable"),
+    # gRPC would read these as a target of its own (a resolver scheme, a unix socket, a port):
+    # remote_host must be a plain host name or IP literal (issue 33)
+    "host-a-grpc-target": (_replace(remote_host="dns:///127.0.0.1"), "bad_params"),
+    "host-a-unix-socket": (_replace(remote_host="unix:/tmp/tw.sock"), "bad_params"),
+    "host-with-a-port": (_replace(remote_host="127.0.0.1:1"), "bad_params"),
     "params-a-list": (lambda kv, o: [1, 2, 3], "http-400"),
     "lease-seconds-a-string": (_replace(turbowire_lease_seconds="abc"), "bad_params"),
     "lease-seconds-negative": (_replace(turbowire_lease_seconds=-5), "bad_params"),

@@ -1248,6 +1248,63 @@ def sidechannel_lease(leases: list[tuple[str, int]],
         )
 
 
+_DIGESTS = ("a" * 24, "b" * 24, "")
+
+
+@target(
+    prop="a Heartbeat (the claim) with random prompt digests and token counts (LeaseRequest "
+         "prompt_digests/prompt_tokens, any lengths) is aborted as INVALID_ARGUMENT or extends "
+         "exactly the leases named with their token and either no digest or the staged prompt; "
+         "a lease staged for another prompt is unknown and prompt_mismatch, never refused, "
+         "never extended",
+    ci_examples=100,
+    staged=st.lists(st.tuples(st.sampled_from(_DIGESTS[:2]), st.integers(0, 3)), min_size=1,
+                    max_size=3),
+    calls=st.lists(st.tuples(
+        st.lists(st.integers(0, 3), max_size=4),  # lease indexes (3: not leased)
+        st.lists(st.sampled_from([*_DIGESTS, "c" * 65]), max_size=5),
+        st.lists(st.one_of(st.integers(0, 3), _uint64()), max_size=5),
+        st.booleans()), max_size=6),
+)
+def sidechannel_claim_prompt(staged: list[tuple[str, int]],
+                             calls: list[tuple[list[int], list[str], list[int], bool]]) -> None:
+    from turbowire.connector.sidechannel.server import _Servicer
+    from turbowire.connector.staging import StagingPool
+
+    pool = StagingPool(num_slots=16, lease_seconds=30.0)
+    token_of: dict[str, str] = {}
+    for i, (digest, n) in enumerate(staged):
+        pool.reserve(f"r{i}", 1)
+        token_of[f"r{i}"] = pool.lease(f"r{i}", prompt_digest=digest, num_tokens=n).token
+    servicer = _Servicer(types.SimpleNamespace(leases=pool))
+    for idx, digests, counts, with_token in calls:
+        ids = [f"r{i}" for i in idx]
+        tokens = [token_of.get(rid, "0" * 32) if with_token else "f" * 32 for rid in ids]
+        req = _pb().LeaseRequest(request_ids=ids, lease_tokens=tokens, prompt_digests=digests,
+                                 prompt_tokens=counts)
+        exc, reply = attempt("Heartbeat", servicer.Heartbeat, req, FakeContext(),
+                             allowed=(_Aborted,))
+        well_formed = (not digests and not counts) or (
+            len(digests) == len(ids) == len(counts) and all(len(d) <= 64 for d in digests))
+        assert (exc is None) == well_formed, f"{req}: {exc}"
+        if exc is not None:
+            continue
+        mism, refused, unknown = set(reply.prompt_mismatch), set(reply.refused), set(reply.unknown)
+        assert mism <= unknown and not mism & refused and not set(reply.done) & unknown
+        for i, rid in enumerate(ids):
+            live = rid in token_of
+            claim = (digests[i], counts[i]) if digests else ("", 0)
+            same = not claim[0] or claim == staged[int(rid[1:])] if live else False
+            if live and with_token and same:
+                assert rid in reply.done, f"{rid} {claim} vs {staged}: {reply}"
+            else:
+                assert rid in unknown, f"{rid} {claim} vs {staged}: {reply}"
+                if live and with_token:
+                    assert rid in mism
+                if live and not with_token:
+                    assert rid in refused and rid not in mism
+
+
 # ======================================================================================
 # (c) kv_transfer_params (connector/params.py)
 # ======================================================================================
@@ -1351,6 +1408,155 @@ def remote_prefill_params(params: Any, block_size: int) -> None:
         block_size,
     )
     assert again == remote
+
+
+_MAC_TOKEN = "fuzz-shared-token-1"
+MAC_HOSTS = ("10.0.0.5", "::1", "[::1]", "prefill-0.svc", "prefill-0.svc.", "127.0.0.2",
+             "::ffff:10.0.0.5", "evil.example", "10.0.0.5:5700", "dns:///10.0.0.5", "unix:/x",
+             "127.1", "a b", "", "h" * 300, "fe80::1%eth0", "Prefill-0.SVC")
+
+
+@st.composite
+def signed_params(draw: Any) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(params a prefill engine with the token signed, the MAC's input it signed, what a
+    hostile client then did to them: changed, deleted or retyped fields, another MAC)."""
+    from turbowire.connector.params import (
+        PARAMS_MAC_FIELD,
+        mac_fields,
+        params_mac_key,
+        prefill_result,
+    )
+
+    num_tokens = draw(st.integers(0, 100))
+    nslots = -(-num_tokens // BLOCK)
+    kw = dict(
+        engine_id=draw(_wire_text(12)), request_id=draw(_wire_text(12)),
+        host=draw(st.sampled_from(MAC_HOSTS[:6])), port=draw(st.integers(1, 65535)),
+        slots=draw(st.lists(st.integers(0, 1 << 20), min_size=nslots, max_size=nslots,
+                            unique=True)),
+        num_tokens=num_tokens, tp_size=draw(st.integers(1, 4)), preset="tq4", format_version=2,
+        prompt_hash=draw(st.text("0123456789abcdef", min_size=24, max_size=24)),
+        lease_seconds=draw(st.sampled_from([30.0, 6.0, 0.5, 86400.0])),
+        lease_token=draw(st.text("0123456789abcdef", min_size=32, max_size=32)),
+        fallback=draw(st.none() | st.sampled_from(["staging_full", "incomplete"])),
+    )
+    params = prefill_result(**kw, dense_bytes=1, wire_bytes=1,
+                            mac_key=params_mac_key(_MAC_TOKEN))
+    signed = mac_fields(**kw)
+    ops: list[str] = []
+    for _ in range(draw(st.integers(0, 3))):
+        op = draw(st.sampled_from(["set", "nudge", "delete", "mac", "host", "retype", "nest"]))
+        key = draw(st.sampled_from([*PARAM_KEYS, "turbowire_lease_token", PARAMS_MAC_FIELD]))
+        ops.append(f"{op}:{key}")
+        if op == "set":
+            params[key] = draw(_weird_value())
+        elif op == "nudge" and isinstance(params.get(key), int) and not isinstance(
+                params.get(key), bool):
+            params[key] = params[key] + draw(st.sampled_from([-1, 1]))
+        elif op == "delete":
+            params.pop(key, None)
+        elif op == "mac":
+            params[PARAMS_MAC_FIELD] = draw(st.one_of(
+                st.text("0123456789abcdef", min_size=64, max_size=64), _weird_value()))
+        elif op == "host":
+            params["remote_host"] = draw(st.sampled_from(MAC_HOSTS))
+        elif op == "retype" and isinstance(params.get(key), float):
+            params[key] = int(params[key]) if params[key].is_integer() else str(params[key])
+        elif op == "nest":
+            params["remote_block_ids"] = [params.get("remote_block_ids")]
+    return params, signed, ops
+
+
+@target(
+    prop="a decode engine with an auth_token accepts kv_transfer_params only when every field it "
+         "acts on (MAC_FIELDS) is what the prefill engine signed: RemotePrefill.parse + "
+         "verify_mac of params a client changed, deleted, retyped or re-MACed either raise "
+         "TransferParamsError (UnauthenticatedParamsError for a bad MAC) or yield exactly the "
+         "signed values; remote_host is then a plain host name or IP literal",
+    ci_examples=150,
+    case=signed_params(),
+)
+def params_mac_verify(case: tuple[dict[str, Any], dict[str, Any], list[str]]) -> None:
+    from turbowire.connector.params import (
+        RemotePrefill,
+        TransferParamsError,
+        ip_literal,
+        params_mac_key,
+    )
+
+    params, signed, ops = case
+    note(f"ops={ops}")
+    exc, remote = attempt("RemotePrefill.parse", RemotePrefill.parse, params, BLOCK,
+                          allowed=(TransferParamsError,))
+    if exc is not None:
+        return
+    exc, _ = attempt("verify_mac", remote.verify_mac, params_mac_key(_MAC_TOKEN),
+                     allowed=(TransferParamsError,))
+    if exc is not None:
+        assert exc.reason in ("unauthenticated_params", "bad_params"), exc
+        return
+    assert remote.mac_fields() == signed, f"accepted altered params: {ops}"
+    host = remote.host
+    assert host.strip() == host and "/" not in host and "%" not in host and "@" not in host
+    assert ip_literal(host) is not None or ":" not in host
+
+
+_PEER_PIECES = ["10.0.0.0/8", "10.0.0.1/8", "fd00::/8", "::1", "[::1]", "[::1]:5700",
+                "127.0.0.1", "127.0.0.1:5700", "prefill-0.svc", "prefill-0.svc:5600", "h:0",
+                "h:65536", "h:1:2", "[x]", "[::1", "a b", "", "*", "::ffff:10.0.0.1",
+                "0.0.0.0/0", "::/0", "Prefill-0.SVC.", "127.1", "dns://x"]
+
+
+@st.composite
+def peer_entries(draw: Any) -> list[Any]:
+    pieces = st.one_of(st.sampled_from(_PEER_PIECES), _wire_text(30),
+                       st.text("0123456789abcdef.:/[]%-", max_size=30),
+                       st.integers(0, 70000).map(lambda p: f"host-a.svc:{p}"),
+                       st.builds(lambda a, b, c, d, m: f"{a}.{b}.{c}.{d}/{m}",
+                                 *[st.integers(0, 300)] * 4, st.integers(0, 40)))
+    entries = draw(st.lists(pieces, max_size=8))
+    if draw(st.integers(0, 20)) == 0:
+        entries.append(draw(st.one_of(st.integers(), st.none(), st.lists(st.integers()))))
+    return entries
+
+
+@target(
+    prop="prefill_peers of any strings (CIDRs, IPs, names, ports, brackets, junk) parse into a "
+         "PeerAllowlist or raise PeerAllowlistError; allows() of any host and port never raises, "
+         "admits each listed IP:port and name, and admits nothing for a host that is not a plain "
+         "name or IP literal",
+    ci_examples=150,
+    entries=peer_entries(),
+    hosts=st.lists(st.tuples(st.one_of(st.sampled_from(MAC_HOSTS), _wire_text(20),
+                                       st.text("0123456789abcdef.:[]%", max_size=24)),
+                             st.integers(-1, 70000)), max_size=6),
+)
+def peer_allowlist(entries: list[Any], hosts: list[tuple[str, int]]) -> None:
+    from turbowire.connector.params import (
+        PeerAllowlist,
+        PeerAllowlistError,
+        ip_literal,
+        is_valid_host,
+    )
+
+    exc, allow = attempt("PeerAllowlist.parse", PeerAllowlist.parse, entries,
+                         allowed=(PeerAllowlistError,))
+    if exc is not None:
+        return
+    for host, port in hosts:
+        _, ok = attempt("allows", allow.allows, host, port, allowed=())
+        if ok and not allow.empty:
+            assert is_valid_host(host), f"admitted {host!r}"
+    for entry in entries:
+        if "/" in entry:
+            continue
+        host, port = entry, 1
+        if entry.startswith("[") and "]:" in entry:
+            host, port = entry.rsplit(":", 1)[0], int(entry.rsplit(":", 1)[1])
+        elif entry.count(":") == 1:
+            host, port = entry.split(":")[0], int(entry.split(":")[1])
+        if ip_literal(host) is not None or is_valid_host(host):
+            assert allow.allows(host, port), f"{entry!r} listed, {host}:{port} refused"
 
 
 # ======================================================================================
@@ -1499,6 +1705,8 @@ def engine_entries(draw: Any) -> bytes | str:
         "record": draw(st.one_of(st.just({}), JSON_VALUES)),
         "heartbeat": draw(st.one_of(st.just(1.0), JSON_VALUES)),
     }
+    if draw(st.booleans()):  # the registry hash's entries carry their expiry (issue 33, L6)
+        base["expires_at"] = draw(st.one_of(st.just(2e9), JSON_VALUES))
     if draw(st.booleans()):
         scope = base["scope"]
         if isinstance(scope, dict) and scope:
@@ -1520,7 +1728,7 @@ def _entry_regressions() -> list[dict[str, Any]]:
     examples=_entry_regressions,
     prop="an engine registration read from Redis (any bytes, any JSON, a scope with wrong "
          "types, NaN/Infinity, deep nesting) gives EngineEntry.from_json an entry with a valid "
-         "scope and a finite heartbeat, or None; it never raises",
+         "scope and a finite heartbeat and expiry, or None; it never raises",
     ci_examples=150,
     raw=engine_entries(),
 )
@@ -1532,7 +1740,7 @@ def store_engine_entry(raw: bytes | str) -> None:
     assert entry is None or isinstance(entry, EngineEntry)
     if entry is not None:
         StoreScope.from_dict(entry.scope)
-        assert math.isfinite(entry.heartbeat)
+        assert math.isfinite(entry.heartbeat) and math.isfinite(entry.expires_at)
 
 
 def _directory_regressions() -> list[dict[str, Any]]:
@@ -1628,13 +1836,19 @@ def _body_regressions() -> list[dict[str, Any]]:
 
 @target(
     examples=_body_regressions,
-    prop="a client's request body (any bytes, any JSON, deep nesting, lying Content-Length) "
-         "gives read_json_body a dict without kv_transfer_params or an HTTPException (400/413)",
+    prop="a client's request body (any bytes, any JSON, deep nesting, lying Content-Length, "
+         "transfer params in vllm_xargs) gives read_json_body a dict without transfer params "
+         "(top level or in vllm_xargs) or an HTTPException (400/413)",
     ci_examples=100,
     body=st.one_of(json_text().map(lambda s: s.encode("utf-8", "surrogatepass")),
                    st.binary(max_size=100),
                    st.dictionaries(_wire_text(10), JSON_VALUES, max_size=4).map(
-                       lambda d: json.dumps({**d, "kv_transfer_params": {"x": 1}}).encode())),
+                       lambda d: json.dumps({**d, "kv_transfer_params": {"x": 1}}).encode()),
+                   st.tuples(st.dictionaries(st.sampled_from(
+                       ["kv_transfer_params", "ec_transfer_params", "foo"]), JSON_VALUES,
+                       max_size=3), JSON_VALUES).map(
+                       lambda t: json.dumps({"prompt": "x", "vllm_xargs": t[0],
+                                             "ec_transfer_params": t[1]}).encode())),
     declared=st.one_of(st.none(), st.sampled_from(["0", "10", "99999999", "-1", "abc", "١٢"])),
 )
 def proxy_request_body(body: bytes, declared: str | None) -> None:
@@ -1646,6 +1860,10 @@ def proxy_request_body(body: bytes, declared: str | None) -> None:
         read_json_body(_FakeRequest(body, declared), 1 << 20)), allowed=(HTTPException,))
     if exc is None:
         assert isinstance(got, dict) and "kv_transfer_params" not in got
+        assert "ec_transfer_params" not in got
+        xargs = got.get("vllm_xargs")
+        if isinstance(xargs, dict):
+            assert "kv_transfer_params" not in xargs and "ec_transfer_params" not in xargs
     else:
         assert exc.status_code in (400, 413)
 
@@ -1710,6 +1928,147 @@ def proxy_sse_usage(chunk: bytes) -> None:
 
     rec = types.SimpleNamespace(completion_tokens=None)
     attempt("PDProxy._scan_usage", PDProxy._scan_usage, rec, chunk, allowed=())
+
+
+# ---- issue 33: tenant salts, admin/API-key headers, engine model lists, chat content --------
+_HEADER_VALUES = st.one_of(
+    st.none(), _wire_text(40), st.sampled_from([
+        "Bearer abc", "bearer  abc ", "Bearer", "Bearer a b", "Basic abc", "Bearer \x00",
+        "Bearer " + "k" * 5000, " ", "Bearer \u00e9\u4f60",
+    ]),
+)
+
+
+@target(
+    prop="the proxy's tenant options and headers: TenantSalt.parse of any --tenant-salt-from "
+         "value and secret gives a TenantSalt or ProxyConfigError; tenant_of of any header values "
+         "gives a non-empty printable id or None; the salt is always 'tw1' + 64 hex characters "
+         "(a valid vLLM cache_salt); bearer_token never raises; apply_tenant_salt of any body "
+         "sets the salt or answers 400/401",
+    ci_examples=150,
+    spec=st.one_of(_wire_text(30), st.sampled_from(["api-key", "header:X-Tenant-Id", "header:",
+                                                     "header:authorization", "API-KEY "])),
+    secret=st.one_of(_wire_text(40), st.just("s" * 20)),
+    auth=_HEADER_VALUES, tenant_header=_HEADER_VALUES,
+    body=st.dictionaries(st.sampled_from(["cache_salt", "prompt", "model"]), JSON_VALUES,
+                         max_size=3),
+)
+def proxy_tenant_salt(spec: str, secret: str, auth: str | None, tenant_header: str | None,
+                      body: dict[str, Any]) -> None:
+    from fastapi import HTTPException
+
+    from turbowire.serving.proxy import (
+        ProxyConfigError,
+        TenantSalt,
+        apply_tenant_salt,
+        bearer_token,
+    )
+
+    _, token = attempt("bearer_token", bearer_token, auth, allowed=())
+    assert token is None or (token and not any(c.isspace() for c in token))
+    headers = {k: v for k, v in (("authorization", auth), ("x-tenant-id", tenant_header))
+               if v is not None}
+    for source in (spec, "api-key", "header:X-Tenant-Id"):
+        exc, salt = attempt("TenantSalt.parse", TenantSalt.parse, source, secret,
+                            allowed=(ProxyConfigError,))
+        if exc is not None:
+            continue
+        _, tenant = attempt("TenantSalt.tenant_of", salt.tenant_of, headers, allowed=())
+        assert tenant is None or (tenant and tenant.isprintable())
+        if tenant is not None:
+            value = salt.salt(tenant, None)
+            assert value.startswith("tw1") and len(value) == 67
+            assert all(c in "0123456789abcdef" for c in value[3:])
+        got = dict(body)
+        exc, _ = attempt("apply_tenant_salt", apply_tenant_salt, salt, got, headers,
+                         allowed=(HTTPException,))
+        if exc is None:
+            assert isinstance(got["cache_salt"], str) and got["cache_salt"].startswith("tw1")
+        else:
+            assert exc.status_code in (400, 401)
+
+
+@target(
+    prop="an engine's /v1/models answer (any JSON) gives parse_model_list a dict of ModelCards "
+         "keyed by their names (LoRA cards with a path) or a ValueError; never another error",
+    ci_examples=150,
+    payload=st.one_of(
+        JSON_VALUES,
+        st.lists(st.fixed_dictionaries({}, optional={
+            "id": st.one_of(_wire_text(12), JSON_VALUES), "parent": JSON_VALUES,
+            "root": st.one_of(_wire_text(12), JSON_VALUES)}), max_size=6).map(
+            lambda cards: {"object": "list", "data": cards}),
+    ),
+)
+def proxy_model_list(payload: Any) -> None:
+    from turbowire.serving.proxy import ModelCard, parse_model_list
+
+    exc, cards = attempt("parse_model_list", parse_model_list, payload, allowed=(ValueError,))
+    if exc is None:
+        assert isinstance(cards, dict)
+        for name, card in cards.items():
+            assert isinstance(card, ModelCard) and card.name == name and name
+            assert card.lora_path is None or (isinstance(card.lora_path, str) and card.lora_path)
+
+
+@target(
+    prop="a client's chat messages (any JSON) give unsupported_input a reason string or None "
+         "(text only); a list holding an image_url part is never None",
+    ci_examples=150,
+    endpoint=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    messages=JSON_VALUES,
+    image=st.booleans(),
+)
+def proxy_chat_content(endpoint: str, messages: Any, image: bool) -> None:
+    from turbowire.serving.proxy import unsupported_input
+
+    if image:
+        messages = [{"role": "user", "content": [{"type": "image_url",
+                                                  "image_url": {"url": "x"}}]}, messages]
+    _, reason = attempt("unsupported_input", unsupported_input, endpoint,
+                        {"messages": messages}, allowed=())
+    assert reason is None or isinstance(reason, str)
+    if image and endpoint == "/v1/chat/completions":
+        assert reason is not None
+
+
+@target(
+    prop="store key inputs from any request fields (salt, LoRA name/path, multimodal items of "
+         "any type) give chain_inputs_of and chunk_hashes keys or StoreKeyError; keys are 16 "
+         "bytes and equal inputs give equal keys",
+    ci_examples=150,
+    salt=st.one_of(st.none(), _wire_text(20), JSON_SCALARS),
+    lora=st.one_of(st.none(), st.tuples(JSON_SCALARS, JSON_SCALARS)),
+    mm=st.lists(st.tuples(st.one_of(_wire_text(10), JSON_SCALARS),
+                          st.one_of(st.integers(-5, 600), JSON_SCALARS),
+                          st.one_of(st.integers(-5, 600), JSON_SCALARS)), max_size=4),
+    embeds=st.booleans(),
+)
+def store_chain_inputs(salt: Any, lora: Any, mm: list[tuple[Any, Any, Any]],
+                       embeds: bool) -> None:
+    from turbowire.store.keys import StoreKeyError, chain_inputs_of, chunk_hashes
+
+    def fake() -> Any:
+        return types.SimpleNamespace(
+            prompt_token_ids=list(range(300)), prompt_embeds=object() if embeds else None,
+            cache_salt=salt,
+            lora_request=None if lora is None else types.SimpleNamespace(
+                lora_name=lora[0], lora_path=lora[1]),
+            mm_features=[types.SimpleNamespace(identifier=i, mm_position=types.SimpleNamespace(
+                offset=o, length=n)) for i, o, n in mm])
+
+    exc, inputs = attempt("chain_inputs_of", chain_inputs_of, fake(),
+                          allowed=(StoreKeyError,))
+    if embeds:
+        assert exc is not None and exc.reason == "store_unsupported_input"
+    if exc is not None:
+        return
+    _, again = attempt("chain_inputs_of", chain_inputs_of, fake(), allowed=())
+    assert again == inputs
+    _, hashes = attempt("chunk_hashes", chunk_hashes, list(range(300)), 64, inputs=inputs,
+                        allowed=())
+    assert len(hashes) == 4 and all(len(h) == 16 for h in hashes)
+    assert hashes == chunk_hashes(list(range(300)), 64, inputs=again)
 
 
 __all__ = ["TARGETS", "FuzzTimeout", "Target", "UnexpectedError", "attempt", "single_threaded",

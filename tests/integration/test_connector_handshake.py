@@ -34,6 +34,7 @@ CHANGES = {
     "codec_format_version": 7,
     "tp_size": 2,
     "speculative_config": '{"method": "eagle3"}',
+    "weights": "fedcba9876543210",
 }
 
 

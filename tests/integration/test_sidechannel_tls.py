@@ -41,6 +41,7 @@ from turbowire.connector.sidechannel.server import (
     AUTH_HEADER,
     FIELD_TRAILER,
     MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
     SideChannelServer,
     SideChannelTLS,
 )
@@ -442,17 +443,17 @@ def test_a_serving_engine_needs_its_own_certificate(pki: Pki) -> None:
 
 # -- (f) message bounds ----------------------------------------------------------------------------
 
-TOO_BIG = "x" * (MAX_MESSAGE_BYTES + 1024)
+TOO_BIG = "x" * (MAX_MESSAGE_BYTES + 1024)  # a reply over the reply bound
+TOO_BIG_REQUEST = "x" * (MAX_REQUEST_BYTES + 1024)  # over the request bound (L1); 4 bytes framing
 
 
 def test_client_refuses_to_send_an_oversized_message(pki: Pki, tls_server: Served) -> None:
     calls = len(tls_server.leases.calls)
     c = client(tls_server.port, pki.tls(ca=pki.ca))
-    with pytest.raises(SideChannelMessageTooLargeError, match=r"limit of 32MiB") as info:
-        c.release([TOO_BIG])
-    assert f"CLIENT: Sent message larger than max ({len(TOO_BIG) + 5} vs. {MAX_MESSAGE_BYTES})" in (
-        str(info.value)
-    )
+    with pytest.raises(SideChannelMessageTooLargeError, match=r"limit of 1MiB per request") as info:
+        c.release([TOO_BIG_REQUEST])
+    assert (f"CLIENT: Sent message larger than max ({len(TOO_BIG_REQUEST) + 4} vs. "
+            f"{MAX_REQUEST_BYTES})") in str(info.value)
     assert tls_server.leases.calls[calls:] == []
     assert c.pool_status().capacity_slots == 8  # the channel and the server carry on
     c.close()
@@ -468,14 +469,14 @@ def test_server_refuses_to_receive_an_oversized_message(pki: Pki, tls_server: Se
     stub = pb_grpc.SideChannelStub(channel)
     with pytest.raises(grpc.RpcError) as info:
         stub.Heartbeat(
-            pb.LeaseRequest(request_ids=[TOO_BIG]),
+            pb.LeaseRequest(request_ids=[TOO_BIG_REQUEST]),
             timeout=30,
             metadata=((AUTH_HEADER, f"Bearer {TOKEN}"),),
         )
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"Received message larger than max ({len(TOO_BIG) + 5} vs. {MAX_MESSAGE_BYTES})" in (
-        info.value.details()
-    )
+    # 1 MiB, not the 32 MiB of replies: no caller pins more per call (security review L1)
+    assert (f"Received message larger than max ({len(TOO_BIG_REQUEST) + 4} vs. "
+            f"{MAX_REQUEST_BYTES})") in info.value.details()
     channel.close()
     assert tls_server.leases.calls[calls:] == []
     c = client(tls_server.port, pki.tls(ca=pki.ca))
@@ -488,7 +489,7 @@ def test_server_refuses_to_send_an_oversized_reply(pki: Pki) -> None:
     served = serve(pki.tls(pki.engine), staging=huge)
     try:
         c = client(served.port, pki.tls(ca=pki.ca))
-        with pytest.raises(SideChannelMessageTooLargeError, match="limit of 32MiB") as info:
+        with pytest.raises(SideChannelMessageTooLargeError, match="32MiB per reply") as info:
             c.handshake(peer.record(), "D", 0)
         assert "SERVER: Sent message larger than max (" in str(info.value)
         assert c.pool_status().capacity_slots == 8
@@ -527,7 +528,8 @@ def test_client_receives_up_to_the_bound_and_refuses_more() -> None:
 
 def test_the_server_accepts_messages_up_to_the_bound(pki: Pki, tls_server: Served) -> None:
     c = client(tls_server.port, pki.tls(ca=pki.ca), timeout=30)
-    assert list(c.heartbeat([UNDER]).unknown) == [UNDER]  # both ends, both ways, under 32MiB
+    under = "u" * (MAX_REQUEST_BYTES - (16 << 10))
+    assert list(c.heartbeat([under]).unknown) == [under]  # a request under 1MiB, both ends
     c.close()
 
 

@@ -35,6 +35,7 @@ CHANGES = {
     "codec_format_version": 2,
     "tp_size": 2,
     "speculative_config": '{"method": "eagle"}',
+    "weights": "0123456789abcdef",  # other weights under the same served name
 }
 
 

@@ -274,3 +274,148 @@ def test_the_side_channel_tells_a_refused_claim_from_an_expired_lease():
             client.heartbeat(["a", "b"], "D", lease_tokens=["x"])
     finally:
         client.close()
+
+
+# ---- issue 33: leases bound to their prompt (H3), claim deadline and age cap (M1), L3 --------
+def test_a_claim_presenting_another_prompt_is_refused_and_extends_nothing():
+    mismatched: list[list[str]] = []
+    clock = FakeClock()
+    pool = StagingPool(num_slots=8, lease_seconds=10, clock=clock,
+                       on_mismatch=lambda ids: mismatched.append(ids))
+    pool.reserve("p1", 2)
+    lease = pool.lease("p1", prompt_digest="d" * 24, num_tokens=45)
+    expires = lease.expires_at
+    clock.now += 5
+    for claim in [("e" * 24, 45), ("d" * 24, 44), ("e" * 24, 44)]:  # digest, count, both
+        answer = pool.heartbeat(["p1"], [lease.token], [claim])
+        assert answer == ([], ["p1"], []) and answer.mismatched == ["p1"]
+    assert lease.expires_at == expires and not lease.claimed  # not extended
+    assert mismatched == [["p1"]]  # counted once per lease
+    # a wrong token is refused first (lease_refused), whatever the prompt
+    answer = pool.heartbeat(["p1"], ["f" * 32], [("e" * 24, 45)])
+    assert answer == ([], ["p1"], ["p1"]) and answer.mismatched == []
+    # the holder with its own prompt claims it; an older decode engine (no digest) too
+    answer = pool.heartbeat(["p1"], [lease.token], [("d" * 24, 45)])
+    assert answer == (["p1"], [], []) and answer.mismatched == [] and lease.claimed
+    assert pool.heartbeat(["p1"], [lease.token], [("", 0)]) == (["p1"], [], [])
+    assert pool.heartbeat(["p1"], [lease.token]) == (["p1"], [], [])
+    # a release needs no prompt: the holder of the token may always let its lease go
+    assert pool.release(["p1"], 0, [lease.token]) == (["p1"], [], [])
+    # a lease not bound to a prompt (no token ids on the prefill side) is not checked
+    pool.reserve("p2", 1)
+    free = pool.lease("p2")
+    assert pool.heartbeat(["p2"], [free.token], [("e" * 24, 3)]) == (["p2"], [], [])
+
+
+def test_an_unclaimed_lease_expires_after_the_claim_deadline():
+    clock = FakeClock()
+    pool = StagingPool(num_slots=8, lease_seconds=30, clock=clock, claim_seconds=5)
+    pool.reserve("claimed", 2)
+    claimed = pool.lease("claimed", prompt_digest="d" * 24, num_tokens=40)
+    pool.reserve("never", 2)
+    pool.lease("never")
+    assert claimed.expires_at == clock.now + 5
+    clock.now += 3
+    assert pool.heartbeat(["claimed"], [claimed.token], [("d" * 24, 40)]) == (["claimed"], [], [])
+    assert claimed.expires_at == clock.now + 30  # claimed: the full lease from now on
+    clock.now += 2.5
+    assert [lease.request_id for lease in pool.reap()] == ["never"]
+    assert pool.has_lease("claimed") and pool.snapshot().used_slots == 2
+    # a claim deadline longer than the lease is the lease
+    pool2 = StagingPool(num_slots=2, lease_seconds=4, clock=clock, claim_seconds=10)
+    pool2.reserve("x", 1)
+    assert pool2.lease("x").expires_at == clock.now + 4
+
+
+def test_heartbeats_extend_a_lease_only_up_to_its_age_cap():
+    clock = FakeClock()
+    pool = StagingPool(num_slots=4, lease_seconds=10, clock=clock, max_age_seconds=25)
+    pool.reserve("a", 1)
+    lease = pool.lease("a")
+    created = clock.now
+    for _ in range(10):  # a decode engine heartbeating a request queued for ever
+        clock.now += 4
+        assert pool.heartbeat(["a"], [lease.token]).done == ["a"]
+        assert lease.expires_at <= created + 25
+    assert lease.expires_at == created + 25
+    clock.now = created + 25
+    assert [x.request_id for x in pool.reap()] == ["a"]
+    assert pool.snapshot().used_slots == 0
+    # a cap below lease_seconds is lease_seconds
+    pool2 = StagingPool(num_slots=2, lease_seconds=10, clock=clock, max_age_seconds=3)
+    pool2.reserve("b", 1)
+    b = pool2.lease("b")
+    clock.now += 1
+    pool2.heartbeat(["b"], [b.token])
+    assert b.expires_at == b.created + 10
+
+
+def test_one_request_cannot_take_more_than_its_share():
+    from turbowire.connector.staging import StagingShareError
+
+    pool = StagingPool(num_slots=10, lease_seconds=10, max_request_slots=4)
+    assert pool.reserve("a", 3) == [0, 1, 2]
+    with pytest.raises(StagingShareError, match="more than its share of 4 of 10") as info:
+        pool.reserve("a", 2)  # 5 in all
+    assert info.value.reason == "staging_share"
+    assert isinstance(info.value, StagingFullError)  # the scheduler's fallback path
+    assert pool.reserve("b", 4) == [3, 4, 5, 6]  # another request has its own share
+
+
+def test_a_repeated_request_id_never_touches_the_live_lease():
+    """L3: a request id that already holds a lease (a client repeating X-Request-Id with vLLM's
+    id randomization off) is refused with its own error; the first request's lease is intact."""
+    from turbowire.connector.staging import DuplicateLeaseError
+
+    pool = StagingPool(num_slots=8, lease_seconds=10)
+    pool.reserve("dup", 2)
+    first = pool.lease("dup")
+    with pytest.raises(DuplicateLeaseError, match="already holds a lease") as info:
+        pool.reserve("dup", 1)
+    assert info.value.reason == "internal" and isinstance(info.value, ValueError)
+    with pytest.raises(DuplicateLeaseError):
+        pool.lease("dup")
+    assert pool._leases["dup"] is first and first.slots == [0, 1]
+    assert pool.snapshot().used_slots == 2
+
+
+def test_the_side_channel_answers_a_mismatched_claim_in_its_own_field():
+    from types import SimpleNamespace
+
+    from turbowire.connector.sidechannel.client import SideChannelClient
+    from turbowire.connector.sidechannel.server import _Servicer
+
+    pool = StagingPool(num_slots=8, lease_seconds=10)
+    pool.reserve("r", 1)
+    lease = pool.lease("r", prompt_digest="d" * 24, num_tokens=9)
+    servicer = _Servicer(SimpleNamespace(leases=pool))
+    aborted: list[str] = []
+
+    class Ctx:
+        def abort(self, code, msg):
+            aborted.append(msg)
+            raise RuntimeError(msg)
+
+    client = SideChannelClient("127.0.0.1", 1, None, timeout=1)
+    client._stub = SimpleNamespace(
+        Heartbeat=lambda request, timeout, metadata: servicer.Heartbeat(request, Ctx()))
+    try:
+        reply = client.heartbeat(["r"], "D", lease_tokens=[lease.token], prompts=[("e" * 24, 9)])
+        assert list(reply.prompt_mismatch) == ["r"] and list(reply.unknown) == ["r"]
+        assert not reply.refused and not reply.done
+        reply = client.heartbeat(["r"], "D", lease_tokens=[lease.token], prompts=[("d" * 24, 9)])
+        assert list(reply.done) == ["r"] and not reply.prompt_mismatch
+        with pytest.raises(ValueError, match="1 prompts for 2 request ids"):
+            client.heartbeat(["r", "s"], "D", prompts=[("d", 1)])
+        from turbowire.connector.sidechannel import sidechannel_pb2 as pb
+
+        with pytest.raises(RuntimeError, match="prompt digests"):
+            servicer.Heartbeat(pb.LeaseRequest(request_ids=["r"], prompt_digests=["a", "b"],
+                                               prompt_tokens=[1, 2]), Ctx())
+        with pytest.raises(RuntimeError, match="longer than 64"):
+            servicer.Heartbeat(pb.LeaseRequest(request_ids=["r"], prompt_digests=["a" * 65],
+                                               prompt_tokens=[1]), Ctx())
+        with pytest.raises(RuntimeError, match="too many request ids"):
+            servicer.Heartbeat(pb.LeaseRequest(request_ids=["r"] * 4097), Ctx())
+    finally:
+        client.close()

@@ -761,3 +761,122 @@ def test_a_claim_that_keeps_timing_out_fails_the_load_once_the_lease_window_has_
     assert failed == {"r1"} and 0.8 - 0.2 <= elapsed < 4.0, elapsed
     assert r.failures() == {"peer_unreachable": 1}
     assert r.loader.take_reports()["r1"].failed == "peer_unreachable"
+
+
+# ---- issue 33: the claim presents this engine's prompt (H3a); peers isolated and capped (M2/M7)
+def _bound(rid: str = "r1", digest: str = "d" * 24, tokens: int = 2 * BS + 5) -> LoadRequest:
+    return dataclasses.replace(request(rid), prompt_digest=digest, prompt_tokens=tokens)
+
+
+class PromptCheckingClient(FakeClient):
+    """A prefill engine that staged ``staged`` (digest, tokens) for every lease."""
+
+    def __init__(self, layout, record, staged: tuple[str, int]) -> None:
+        super().__init__(layout, record)
+        self.staged = staged
+        self.prompts: list[object] = []
+
+    def heartbeat(self, ids, engine_id="", lease_tokens=None, prompts=None):
+        reply = super().heartbeat(ids, engine_id, lease_tokens)
+        self.prompts.append(prompts)
+        bad = [i for i, p in zip(ids, prompts or [("", 0)] * len(ids), strict=True)
+               if p[0] and p != self.staged]
+        reply.done = [i for i in reply.done if i not in bad]
+        reply.unknown = list(reply.unknown) + bad
+        reply.prompt_mismatch = bad
+        return reply
+
+
+def _prompt_rig(staged: tuple[str, int]) -> Rig:
+    r = rig()
+    client = PromptCheckingClient(r.client.layout, r.client.record, staged)
+    r.loader._clients = SimpleNamespace(get=lambda host, port: client)
+    r.client = client
+    return r
+
+
+def test_a_claim_for_another_prompt_fails_as_prompt_mismatch_and_nothing_is_decoded(caplog):
+    """Params of prompt P' presented with prompt P (their turbowire_prompt_hash replaced so the
+    decode engine's own check passed): the claim presents P, the prefill engine staged P' and
+    refuses it. The READs may have moved (they run while the claim is out), but nothing is
+    decoded; the load fails as prompt_mismatch and the lease is released."""
+    r = _prompt_rig(("f" * 24, 2 * BS + 5))
+    r.loader.start([_bound()])
+    finished, failed = drive(r)
+    assert failed == {"r1"} and finished == {"r1"}
+    assert r.decoded == []
+    assert r.failures() == {"prompt_mismatch": 1}
+    assert r.loader.take_reports()["r1"].failed == "prompt_mismatch"
+    assert r.client.prompts[0] == [("d" * 24, 2 * BS + 5)]
+    assert r.client.released == ["remote-r1"]
+    assert "another prompt" in caplog.text and LEASE_TOKEN not in caplog.text
+
+
+def test_a_claim_for_its_own_prompt_loads():
+    r = _prompt_rig(("d" * 24, 2 * BS + 5))
+    r.loader.start([_bound()])
+    assert drive(r) == ({"r1"}, set())
+    assert r.client.prompts == [[("d" * 24, 2 * BS + 5)]]
+    # a load without a prompt (a decode engine that could not name one) claims as before
+    r.loader.start([request("r2")])
+    assert drive(r) == ({"r2"}, set())
+    assert r.client.prompts[-1] is None
+
+
+def test_a_load_the_scheduler_could_not_plan_fails_at_once():
+    r = rig()
+    bad = dataclasses.replace(request(), fail_reason="internal")
+    assert not bad.release_only
+    r.loader.start([bad])
+    assert r.loader.results() == ({"r1"}, {"r1"})
+    assert r.loader.take_reports()["r1"].failed == "internal"
+    assert r.client.calls == ["release"] and r.transport.reads == []
+    assert r.failures() == {}  # counted by the scheduler, not twice
+
+
+class Lanes:
+    """An executor with per-peer lanes (PeerExecutors' interface), recording which lane ran."""
+
+    def __init__(self) -> None:
+        self.keys: list[object] = []
+
+    def submit_to(self, key, fn, *args, **kwargs) -> Future:
+        self.keys.append(key)
+        return InlineExecutor().submit(fn, *args, **kwargs)
+
+    def submit(self, fn, *args, **kwargs) -> Future:  # pragma: no cover - not used with lanes
+        raise AssertionError("a side-channel call went to the shared lane")
+
+
+def test_side_channel_calls_run_on_their_peers_lane():
+    r = rig()
+    lanes = Lanes()
+    r.loader._executor = lanes
+    r.loader.start([request()])
+    assert drive(r) == ({"r1"}, set())
+    assert lanes.keys == [("127.0.0.1", 5700)] * 3  # handshake, claim, release
+
+
+def test_at_most_max_peers_handshakes_are_kept(monkeypatch):
+    r = rig(max_peers=2)
+    removed: list[str] = []
+    r.transport.add_peer = lambda md: "agent-" + md.decode()
+    r.transport.remove_peer = removed.append
+    handshake = r.client.handshake
+
+    def per_peer(record, engine_id, tp_rank):
+        info = handshake(record, engine_id, tp_rank)
+        return dataclasses.replace(info, staging=dataclasses.replace(
+            info.staging, agent_metadata=f"md-{len(r.client.calls)}".encode()))
+
+    r.client.handshake = per_peer
+    r.transport.read = lambda agent, local, remote, mem_type, notif=b"": (
+        r.transport.reads.append(x := FakeTransfer(int(local[:, 1].sum()))) or x)
+    for port in (1, 2, 3):
+        load = dataclasses.replace(request(f"r{port}"),
+                                   peer=PeerAddress(PEER.engine_id, "127.0.0.1", port, 1))
+        r.loader.start([load])
+        assert drive(r) == ({f"r{port}"}, set())
+    assert [key[2] for key in r.loader._peers] == [2, 3]
+    drive(r)
+    assert removed == ["agent-md-1"]  # the least recently used peer's agent, once unused
