@@ -22,6 +22,7 @@ from turbowire.connector.compat import (
 from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout, layer_sort_key
 from turbowire.connector.speculative import SpeculativeSetup
+from turbowire.store.fingerprint import vllm_config_fingerprint
 from turbowire.store.keys import StoreScope, model_slug
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class EngineSetup:
         codec = make_codec(config.preset, geometry)
         layout = StagingLayout.build(geometry, codec.encoded_nbytes, config.staging_bytes)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # the weights' fingerprint (cached: computed once per process): other weights under the
+        # same served name neither handshake nor share stored chunks
+        weights = vllm_config_fingerprint(vllm_config)
         record = CompatibilityRecord.build(
             model=model_identity(vllm_config),
             geometry=geometry,
@@ -62,6 +66,7 @@ class EngineSetup:
             codec_format_version=codec_format_version(),
             tp_size=tp_size,
             speculative_config=speculative_factors(vllm_config),
+            weights=weights,
         )
         ktc = vllm_config.kv_transfer_config
         store_scope = None
@@ -80,6 +85,7 @@ class EngineSetup:
                 format_version=codec_format_version(),
                 chunk_tokens=config.store_chunk_tokens,
                 tp_size=tp_size,
+                weights=weights,
             )
         # the NIXL roles: with transport "store" an engine neither stages nor READs from peers
         return cls(geometry, codec, layout, record, bool(ktc.is_kv_producer) and config.uses_nixl,

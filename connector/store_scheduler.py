@@ -1,9 +1,13 @@
 """Scheduler side of the store path: lookups before a prompt is computed, saves after.
 
 Lookup (``get_num_new_matched_tokens``): the prompt's full chunks are named by their chained
-prefix hash (``turbowire.store.keys``); the longest run of leading chunks that the directory (or
-this engine's own local tiers, as its workers reported them) holds becomes external tokens to
-load, beyond what vLLM's own prefix cache already has. Nothing is read here but the directory.
+prefix hash (``turbowire.store.keys``) under the request's key inputs as vLLM's prefix cache keys
+them (``cache_salt``, LoRA adapter, multimodal items: ``chain_inputs_of``), so KV is reused only
+where vLLM itself would reuse it; a request the keys cannot name (prompt embeddings) neither
+looks up nor saves, counted as fallback reason ``store_unsupported_input``. The longest run of
+leading chunks that the directory (or this engine's own local tiers, as its workers reported
+them) holds becomes external tokens to load, beyond what vLLM's own prefix cache already has.
+Nothing is read here but the directory.
 
 Save (``build_connector_meta``): every full chunk of a request (prompt and accepted outputs, so
 a later turn can reuse it) that this engine computed (not loaded from the store or a peer) is
@@ -30,7 +34,16 @@ from turbowire.connector.metadata import StoreChunk, StoreLoad, StoreSave
 from turbowire.connector.speculative import verified_tokens
 from turbowire.connector.stats import TurboWireConnectorStats
 from turbowire.errors import TurboWireError, failure_reason
-from turbowire.store.keys import StoreKeyError, StoreScope, chunk_hashes, extend_chunk_hashes
+from turbowire.store.keys import (
+    NO_INPUTS,
+    ChainInputs,
+    StoreKeyError,
+    StoreScope,
+    UnsupportedStoreInput,
+    chain_inputs_of,
+    chunk_hashes,
+    extend_chunk_hashes,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -47,6 +60,8 @@ RECENT_SAVES_MAX = 1 << 16  # chunk hashes queued for saving recently (no duplic
 SAVE_PENDING_SECONDS = 30.0  # a planned save not confirmed by then may be planned again
 MAX_LOADS_PER_REQUEST = 2  # a load, and one more after a preemption; never a loop of failures
 REGISTER_PERIOD_S = 10.0
+#: Fallback reason of a request the store keys cannot name (``turbowire_kv_fallbacks_total``).
+UNSUPPORTED_REASON = UnsupportedStoreInput.reason
 
 
 @dataclass
@@ -62,6 +77,7 @@ class StoreRequestState:
     next_save: int = 0  # first chunk index not yet planned for saving
     counted: bool = False
     loads: int = 0  # loads queued for this request (a failed one is not retried)
+    inputs: ChainInputs = NO_INPUTS  # salt, adapter, multimodal items: part of every hash
 
 
 @dataclass
@@ -101,6 +117,7 @@ class StorePlanner:
             directory = Directory(config.directory_url, ttl_seconds=config.store_ttl_seconds)
         self.directory = directory
         self._states: dict[str, StoreRequestState] = {}
+        self._skipped: set[str] = set()  # requests the store keys cannot name (counted once)
         self._local = _Recent()  # held by this engine's local tiers (workers' reports)
         self._queued = _Recent()  # planned for saving, outcome not known yet
         self._pending_loads: list[StoreLoad] = []
@@ -147,18 +164,25 @@ class StorePlanner:
         state = self._states.get(req_id)
         if state is not None:
             return state
-        tokens = request.prompt_token_ids
-        if tokens is None:
-            return None  # prompt embeddings: nothing to name the chunks by
-        save = self._wants_save(request)
-        try:
-            hashes = chunk_hashes(tokens, self.chunk_tokens)
-        except StoreKeyError as exc:
-            logger.warning("request %s: %s; not looked up or stored", req_id, exc)
+        if req_id in self._skipped:
             return None
-        state = StoreRequestState(request, hashes, save)
+        try:
+            inputs = chain_inputs_of(request)
+            hashes = chunk_hashes(request.prompt_token_ids, self.chunk_tokens, inputs=inputs)
+        except UnsupportedStoreInput as exc:
+            self._skip(req_id, f"{exc}; the store is not used for it", UNSUPPORTED_REASON)
+            return None
+        except StoreKeyError as exc:
+            self._skip(req_id, f"{exc}; not looked up or stored", "bad_params")
+            return None
+        state = StoreRequestState(request, hashes, self._wants_save(request), inputs=inputs)
         self._states[req_id] = state
         return state
+
+    def _skip(self, req_id: str, why: str, reason: str) -> None:
+        self._skipped.add(req_id)
+        self.stats.record_fallback(reason)
+        logger.info("request %s: %s", req_id, why)
 
     def _wants_save(self, request: Request) -> bool:
         params = request.kv_transfer_params or {}
@@ -249,7 +273,7 @@ class StorePlanner:
                 continue
             if full > len(state.hashes):
                 extend_chunk_hashes(state.hashes, request.all_token_ids[: full * self.chunk_tokens],
-                                    self.chunk_tokens)
+                                    self.chunk_tokens, state.inputs)
                 full = min(full, len(state.hashes))
             end = full * self.chunk_tokens
             block_ids = self._block_ids_of(req_id)
@@ -284,6 +308,7 @@ class StorePlanner:
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self._skipped.discard(request_id)
 
     def maintain(self, role: str, side_channel: str, record: CompatibilityRecord) -> None:
         """Keep this engine's registry entry alive (the proxy learns the store scope from it)."""

@@ -10,6 +10,9 @@ it has arrived and passed every check (blob header: prefix hash, tokens, rank, l
 layer chunk's checksums, preset, geometry and tag). The first chunk that is missing or fails a
 check ends the load: its blocks and everything after them are reported to vLLM as load errors
 (``get_block_ids_with_load_errors``), so vLLM recomputes from there; nothing of it is decoded.
+A chunk that failed its checks is also removed from the tiers (puts never overwrite, so a later
+save could not replace it otherwise). The directory entries of the chunks a load used are
+refreshed then (lookups never refresh them: only real use keeps a chunk alive).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from turbowire.connector.metadata import LoadReport, StoreChunk, StoreLoad, Stor
 from turbowire.connector.spec import STORE_TRANSPORT
 from turbowire.connector.stats import TurboWireConnectorStats
 from turbowire.errors import TurboWireError, failure_reason
-from turbowire.store.blob import BlobHeader, check_expected, parse_header
+from turbowire.store.blob import BlobHeader, check_expected, header_nbytes, parse_header
 from turbowire.store.keys import StoreScope, chunk_tag
 
 if TYPE_CHECKING:
@@ -70,6 +73,7 @@ class StoreWorker:
         self.rank = tp_rank
         self.caches = caches
         self.stats = stats
+        self._layer_sizes: dict[int, list[int]] = {}
         if store is None:
             from turbowire.store.tiers import ChunkStore, StoreSettings
 
@@ -79,6 +83,7 @@ class StoreWorker:
                 local_disk=config.store_local_disk,
                 ttl_seconds=config.store_ttl_seconds,
                 namespace=config.store_namespace,
+                max_object_bytes=self.max_blob_nbytes(),
             ))
         self.store = store
         if directory is None and config.directory_url:
@@ -94,7 +99,6 @@ class StoreWorker:
         self._loads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tw-store-load")
         self._fetches = ThreadPoolExecutor(max_workers=FETCHES_IN_FLIGHT,
                                            thread_name_prefix="tw-store-fetch")
-        self._layer_sizes: dict[int, list[int]] = {}
         self._gpu_saves: bool | None = None  # CUDA caches: saves on a side stream
         self._side: torch.cuda.Stream | None = None
         self._copies: ThreadPoolExecutor | None = None
@@ -113,6 +117,13 @@ class StoreWorker:
             ]
             self._layer_sizes[key] = sizes
         return sizes
+
+    def max_blob_nbytes(self) -> int:
+        """The largest blob this worker stores or loads (the first chunk of a sequence, which
+        carries the sink rows, or any later one): the bound on what a Redis read may return."""
+        layers = self.geometry.num_layers
+        return header_nbytes(layers) + max(sum(self.layer_nbytes(0)),
+                                           sum(self.layer_nbytes(self.scope.chunk_tokens)))
 
     def _header(self, chunk: StoreChunk) -> BlobHeader:
         return BlobHeader(
@@ -325,6 +336,8 @@ class StoreWorker:
                                    reason, exc)
                     self.stats.record_store(False, 0)
                     self.stats.record_store_failure("load", reason)
+                    if blob is not None:  # there but wrong: let a later save replace it
+                        self._discard(chunk)
                     self._forget(load.chunks[i:])
                     break
                 self.stats.record_store(True, len(blob))
@@ -341,6 +354,9 @@ class StoreWorker:
         if self.caches.device.type == "cuda":
             torch.cuda.current_stream(self.caches.device).synchronize()
         report.transfer_seconds = time.perf_counter() - t0
+        used = load.chunks if failed_at is None else load.chunks[:failed_at]
+        if used:
+            self._touch(used)
         if failed_at is None:
             self.stats.record_recv(STORE_TRANSPORT, self.config.preset, report.dense_bytes,
                                    report.wire_bytes)
@@ -396,6 +412,21 @@ class StoreWorker:
         decode_layers_into(self.codec, jobs, source,
                            kv_scales=[self.caches.kv_scales(layer) for layer in range(len(jobs))])
         return self.scope.chunk_tokens
+
+    def _discard(self, chunk: StoreChunk) -> None:
+        try:
+            self.store.discard(self.scope, chunk.chunk_hash, self.rank)
+        except Exception as exc:  # noqa: BLE001 - best effort: it expires anyway
+            logger.debug("discarding a bad chunk: %s", exc)
+
+    def _touch(self, chunks: list[StoreChunk]) -> None:
+        """Keep the directory entries of chunks this load used alive (only real loads do)."""
+        if self.directory is None or self.rank != 0:  # one refresh per engine, not per rank
+            return
+        try:
+            self.directory.touch(self.scope, [c.chunk_hash for c in chunks])
+        except Exception as exc:  # noqa: BLE001 - a refresh never fails the load
+            logger.debug("refreshing the directory entries of a load: %s", exc)
 
     def _forget(self, chunks: list[StoreChunk]) -> None:
         if self.directory is None:

@@ -167,7 +167,8 @@ PROXY_METRICS: tuple[MetricSpec, ...] = (
                "Routing decisions of the proxy: pd (no store directory configured), store_hit "
                "(every full prompt chunk is in the store: decode engine only, no prefill), or "
                "P/D because of pd_partial, pd_miss, pd_short, pd_no_scope, pd_unsupported_prompt, "
-               "pd_tokenize_error, pd_directory_error.", source="proxy"),
+               "pd_unsupported_input (images, audio, video or prompt embeds: no store lookup), "
+               "pd_unknown_model, pd_tokenize_error, pd_directory_error.", source="proxy"),
     MetricSpec("turbowire_proxy_directory_lookup_duration_seconds", "histogram", (),
                "Time to decide a request's route with the store directory: the decode engine's "
                "/tokenize call, chunk hashing and the Redis prefix lookup (failed lookups "

@@ -36,6 +36,7 @@ NAMESPACE = "e2e"
 class StorePair:
     def __init__(self, preset: str, a, b, redis: RedisServer) -> None:
         self.preset, self.a, self.b, self.redis = preset, a, b, redis
+        self._scope = None
 
     def complete(self, url: str, prompt, max_tokens: int = 12, params: dict | None = None) -> dict:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
@@ -49,6 +50,12 @@ class StorePair:
     def metrics(self, url: str) -> dict[str, float]:
         return scrape_metrics(url)
 
+    def scope(self):
+        """The scope the engines registered (with their weights fingerprint), read once."""
+        if self._scope is None:
+            self._scope = registered_scope(self.redis.url, self.preset)
+        return self._scope
+
     def wait_stored(self, prompt: list[int], chunks: int, timeout: float = 20.0) -> int:
         """Wait until the directory lists ``chunks`` leading chunks of ``prompt``."""
         from turbowire.store.directory import Directory
@@ -57,7 +64,7 @@ class StorePair:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                n = directory.longest_prefix(scope(self.preset), hashes(prompt))
+                n = directory.longest_prefix(self.scope(), hashes(prompt))
                 if n >= chunks or time.monotonic() > deadline:
                     return n
                 time.sleep(0.2)
@@ -78,10 +85,31 @@ class StorePair:
             client.close()
 
 
-def scope(preset: str):
+def registered_scope(redis_url: str, preset: str):
+    """The store scope the engines registered (all agree): the expected model, preset, chunk
+    size and TP, plus the weights fingerprint the engine computed from the model's files."""
+    from turbowire.store.directory import Directory
+    from turbowire.store.fingerprint import weights_fingerprint
     from turbowire.store.keys import StoreScope, model_slug
 
-    return StoreScope(NAMESPACE, model_slug(f"{MODEL_NAME}.bfloat16"), preset, 1, CHUNK, 1)
+    directory = Directory(redis_url, ttl_seconds=3600)
+    try:
+        deadline = time.monotonic() + 30
+        while not (entries := directory.engines(NAMESPACE)):  # at the engine's first lookup
+            assert time.monotonic() < deadline, "an engine registers within seconds"
+            time.sleep(0.2)
+    finally:
+        directory.close()
+    (scope,) = {StoreScope.from_dict(e.scope) for e in entries}
+    expect = StoreScope(NAMESPACE, model_slug(f"{MODEL_NAME}.bfloat16"), preset, 1, CHUNK, 1,
+                        weights=scope.weights)
+    assert scope == expect and len(scope.weights) == 16
+    from connector_tiny_model import ensure_tiny_llama
+
+    settings = {"quantization": None, "hf_overrides": {}, "load_format": "auto"}
+    assert scope.weights == weights_fingerprint(str(ensure_tiny_llama()), settings=settings), \
+        "the engines' fingerprint is the tiny model's"
+    return scope
 
 
 def hashes(prompt: list[int]) -> list[bytes]:
@@ -277,7 +305,7 @@ def test_proxy_routes_stored_prompts_past_prefill(pair, tmp_path):
 
     proxy = start_proxy([pair.a.url], [pair.b.url], free_port(), tmp_path,
                         ["--directory", pair.redis.url, "--store-namespace", NAMESPACE,
-                         "--store-ttl-seconds", "600"])
+                         "--expose-internals"])  # this test reads the route header
     from turbowire.store.directory import Directory
 
     directory = Directory(pair.redis.url, ttl_seconds=600)

@@ -17,9 +17,12 @@ import pytest
 from fastapi.testclient import TestClient
 from support.redis_server import RedisServer
 
-from turbowire.serving.proxy import build_app
+from turbowire.serving.proxy import Visibility, build_app
 from turbowire.store.directory import Directory, EngineEntry
 from turbowire.store.keys import StoreScope, chunk_hashes
+
+#: these tests read the route header and records (off by default: test_proxy_security.py)
+EXPOSED = Visibility(expose_internals=True)
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +46,8 @@ class Engines:
         host, path = request.url.host, request.url.path
         if path == "/health":
             return httpx.Response(200)
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "parent": None}]})
         body = json.loads(request.content)
         self.calls.append((host, path, body))
         if path == "/tokenize":
@@ -99,7 +104,8 @@ def test_routing_from_a_real_directory_and_redis_death(redis_srv: RedisServer) -
     writer = publish_like_an_engine(redis_srv.url)
     engines = Engines()
     app = build_app([P_URL], [D_URL], transport=httpx.MockTransport(engines),
-                    directory_url=redis_srv.url, store_namespace=NS, directory_ttl_seconds=60)
+                    directory_url=redis_srv.url, store_namespace=NS, directory_ttl_seconds=60,
+                    visibility=EXPOSED)
     with TestClient(app) as c:
         r = post(c, "all stored", "a")
         assert r.headers["x-turbowire-route"] == "store_hit"
@@ -146,10 +152,35 @@ def test_proxy_starts_and_serves_pd_with_redis_down() -> None:
     server = RedisServer()  # never started: nothing listens on its port
     engines = Engines()
     app = build_app([P_URL], [D_URL], transport=httpx.MockTransport(engines),
-                    directory_url=server.url, store_namespace=NS)
+                    directory_url=server.url, store_namespace=NS, visibility=EXPOSED)
     with TestClient(app) as c:
         for i in range(2):
             r = post(c, "all stored", f"r{i}")
             assert r.headers["x-turbowire-route"] == "pd_directory_error"
         assert c.get("/health").status_code == 200
     server.cleanup()
+
+
+def test_proxy_lookups_never_extend_a_stored_chunk(redis_srv: RedisServer) -> None:
+    """H4: a client probing prompts through the proxy must not keep another tenant's chunks
+    alive: the entries' TTLs only run down however often the proxy looks them up (and hits)."""
+    import redis as redis_py
+
+    writer = publish_like_an_engine(redis_srv.url)
+    rds = redis_py.Redis.from_url(redis_srv.url)
+    keys = [f"{SCOPE.prefix}/{h.hex()}" for h in chunk_hashes(TOKENS["all stored"], 256)]
+    app = build_app([P_URL], [D_URL], transport=httpx.MockTransport(Engines()),
+                    directory_url=redis_srv.url, store_namespace=NS, visibility=EXPOSED)
+    try:
+        with TestClient(app) as c:
+            before = [rds.pttl(k) for k in keys]
+            assert all(0 < t <= 60_000 for t in before)
+            time.sleep(0.3)
+            for i in range(5):
+                r = post(c, "all stored", f"probe-{i}")
+                assert r.headers["x-turbowire-route"] == "store_hit"
+            after = [rds.pttl(k) for k in keys]
+            assert all(a <= b - 250 for a, b in zip(after, before, strict=True)), (before, after)
+    finally:
+        rds.close()
+        writer.close()

@@ -69,23 +69,39 @@ def test_longest_prefix_gaps_and_missing_ranks(directory: Directory) -> None:
         directory.publish(sc, [(b"short", 0, 1)])
 
 
-def test_ttl_and_refresh_on_lookup(redis_srv: RedisServer, rds: redis.Redis) -> None:
+def test_lookups_never_refresh_only_loads_and_publishes_do(redis_srv: RedisServer,
+                                                            rds: redis.Redis) -> None:
+    """A lookup (a proxy's or a scheduler's) keeps nothing alive: asking whether a guessed
+    prompt is stored must not extend another tenant's entries. An engine that loaded chunks
+    refreshes them (touch), a save does (publish)."""
     d = Directory(redis_srv.url, ttl_seconds=1.0)
     sc = scope(tp=1)
-    looked, idle, after_gap = hashes(3)
-    d.publish(sc, [(looked, 0, 1), (idle, 0, 1), (after_gap, 0, 1)])
+    looked, loaded, republished = hashes(3)
+    d.publish(sc, [(looked, 0, 1), (loaded, 0, 1), (republished, 0, 1)])
     key = f"{sc.prefix}/{looked.hex()}"
     assert 0 < rds.pttl(key) <= 1000
     time.sleep(0.6)
-    assert d.longest_prefix(sc, [looked, os.urandom(16), after_gap]) == 1
-    assert rds.pttl(key) > 900  # hit: refreshed
-    assert rds.pttl(f"{sc.prefix}/{after_gap.hex()}") < 500  # past the gap: not refreshed
+    for _ in range(3):
+        assert d.longest_prefix(sc, [looked, loaded, republished]) == 3
+    assert d.stored_bytes(sc, [looked]) == [1]
+    assert rds.pttl(key) < 500, "a lookup hit must not refresh the entry"
+    d.touch(sc, [loaded])
+    d.publish(sc, [(republished, 0, 1)])
+    assert rds.pttl(f"{sc.prefix}/{loaded.hex()}") > 900
+    assert rds.pttl(f"{sc.prefix}/{republished.hex()}") > 900
+    d.touch(sc, [])
     time.sleep(0.6)
-    assert d.longest_prefix(sc, [idle]) == 0
-    assert d.longest_prefix(sc, [looked]) == 1
-    d.publish(sc, [(idle, 0, 1)])  # publish refreshes too
-    assert rds.pttl(f"{sc.prefix}/{idle.hex()}") > 900
+    assert d.longest_prefix(sc, [looked]) == 0  # expired while only looked up
+    assert d.longest_prefix(sc, [loaded]) == 1
     d.close()
+
+
+def test_publish_never_rewrites_a_listed_rank(directory: Directory, rds: redis.Redis) -> None:
+    sc = scope(tp=2)
+    h = os.urandom(16)
+    directory.publish(sc, [(h, 0, 100)])
+    directory.publish(sc, [(h, 0, 999), (h, 1, 50)])
+    assert rds.hgetall(f"{sc.prefix}/{h.hex()}") == {b"r0": b"100", b"r1": b"50"}
 
 
 def test_forget(directory: Directory) -> None:
@@ -150,7 +166,8 @@ def test_malformed_entries_are_skipped(directory: Directory, rds: redis.Redis) -
     assert directory.usage(NS) == (1, 3)
 
     directory.register_engine(entry("ok", sc), ttl_seconds=30)
-    valid = json.loads(rds.get(f"{NS}/engines/ok"))
+    registry = f"{NS}/engines"
+    valid = json.loads(rds.hget(registry, "ok"))
     junk = {
         "notjson": b"{{{", "binary": os.urandom(40), "list": b"[1,2]",
         "missing": json.dumps({"engine_id": "missing"}).encode(),
@@ -159,11 +176,56 @@ def test_malformed_entries_are_skipped(directory: Directory, rds: redis.Redis) -
         "nan": json.dumps({**valid, "engine_id": "nan"})
         .replace('"heartbeat":', '"heartbeat": NaN, "_":').encode(),
         "badrole": json.dumps({**valid, "engine_id": "badrole", "role": 7}).encode(),
+        "expired": json.dumps({**valid, "engine_id": "expired", "expires_at": 1.0}).encode(),
+        "noexpiry": json.dumps({k: v for k, v in valid.items() if k != "expires_at"}
+                               | {"engine_id": "noexpiry"}).encode(),
+        "otherns": json.dumps({**valid, "engine_id": "otherns",
+                               "scope": {**valid["scope"], "namespace": "elsewhere"}}).encode(),
     }
     for name, raw in junk.items():
-        rds.set(f"{NS}/engines/{name}", raw)
-    rds.hset(f"{NS}/engines/hashy", "a", "b")
+        rds.hset(registry, name, raw)
     assert [e.engine_id for e in directory.engines(NS)] == ["ok"]
+    # the next registration drops the long-expired and malformed entries, keeps the rest
+    directory.register_engine(entry("ok", sc), ttl_seconds=30)
+    left = {k.decode() for k in rds.hkeys(registry)}
+    assert left == {"ok", "mismatch", "otherns"}, left
+    # a registry key of the wrong type is Redis's error, not a crash
+    rds.delete(registry)
+    rds.set(registry, b"x")
+    with pytest.raises(DirectoryUnavailable):
+        directory.engines(NS)
+    with pytest.raises(DirectoryUnavailable):
+        directory.register_engine(entry("ok", sc), ttl_seconds=30)
+
+
+def test_registry_is_one_hash_read_without_scan(directory: Directory, rds: redis.Redis,
+                                                network_io: list[str]) -> None:
+    """L6: reading the registry is one HGETALL, however many chunk keys the namespace holds."""
+    sc = scope(tp=1)
+    directory.publish(sc, [(h, 0, 1) for h in hashes(300)])
+    directory.register_engine(entry("e1", sc), ttl_seconds=30)
+    directory.register_engine(entry("e2", sc, role="decode"), ttl_seconds=30)
+    assert rds.type(f"{NS}/engines") == b"hash"
+    assert 0 < rds.pttl(f"{NS}/engines") <= 30_000
+    assert not [k for k in rds.scan_iter(match=f"{NS}/engines/*")], "no per-engine keys"
+    commands: list[str] = []
+    real = redis.Redis.execute_command
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        commands.append(str(args[0]).upper())
+        return real(self, *args, **kwargs)
+
+    redis.Redis.execute_command = spy  # type: ignore[method-assign]
+    try:
+        assert [e.engine_id for e in directory.engines(NS)] == ["e1", "e2"]
+    finally:
+        redis.Redis.execute_command = real  # type: ignore[method-assign]
+    assert commands == ["HGETALL"], commands
+    # a short registration expires on its own; the hash lives as long as its newest entry
+    directory.register_engine(entry("brief", sc), ttl_seconds=0.3)
+    time.sleep(0.5)
+    assert [e.engine_id for e in directory.engines(NS)] == ["e1", "e2"]
+    assert rds.pttl(f"{NS}/engines") > 25_000
 
 
 @pytest.fixture

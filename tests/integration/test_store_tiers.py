@@ -211,8 +211,10 @@ def test_namespaces_never_meet(make_store, rds, redis_srv) -> None:
     "flip_payload", "flip_header", "truncate_1", "truncate_to_3", "append_1", "empty",
     "garbage", "other_key",
 ])
-def test_damaged_redis_value_is_a_miss(damage: str, make_store, rds, redis_srv) -> None:
-    store = make_store(store_url=redis_srv.url)
+@pytest.mark.parametrize("bounded", [False, True], ids=["getex", "bounded_read"])
+def test_damaged_redis_value_is_a_miss(damage: str, bounded: bool, make_store, rds,
+                                       redis_srv) -> None:
+    store = make_store(store_url=redis_srv.url, max_object_bytes=(1 << 20) if bounded else 0)
     sc = scope()
     ch, other = h(), h()
     blob = os.urandom(100_000)
@@ -394,3 +396,66 @@ def test_settings_validation_and_no_tier() -> None:
     assert store.put(scope(), h(), 0, b"x") is False
     assert store.get(scope(), h(), 0) is None and store.flush(0.1)
     store.close()
+
+
+def test_oversized_redis_value_is_never_read_whole(make_store, rds, redis_srv) -> None:
+    """L4: a value larger than any chunk this store writes (planted by a Redis writer) is read
+    only up to the bound (GETRANGE), counted, deleted and a miss; it never reaches the pool."""
+    limit = 200_000
+    store = make_store(store_url=redis_srv.url, max_object_bytes=limit)
+    sc = scope()
+    ok, big, at_limit = h(), h(), h()
+    assert store.put(sc, ok, 0, os.urandom(limit)) and store.put(sc, at_limit, 0, b"x" * 10)
+    assert store.flush()
+    assert store.get(sc, ok, 0) is not None, "a chunk of the largest size still round-trips"
+    plugin = store._plugin
+    assert plugin is not None and plugin.max_value_bytes == \
+        store.settings.max_redis_value_bytes > limit
+    rds.set(sc.chunk_key(big, 0), b"\0" * (8 << 20))
+    commands: list[tuple] = []
+    real = plugin.client.pipeline
+
+    def spy(*a, **kw):  # type: ignore[no-untyped-def]
+        pipe = real(*a, **kw)
+        orig = pipe.getrange
+
+        def getrange(name, start, end):  # type: ignore[no-untyped-def]
+            commands.append((name, start, end))
+            return orig(name, start, end)
+
+        pipe.getrange = getrange
+        return pipe
+
+    plugin.client.pipeline = spy
+    assert store.get(sc, big, 0) is None
+    assert commands and all(end == plugin.max_value_bytes for _, _, end in commands)
+    assert plugin.oversize_count == 1 and not rds.exists(sc.chunk_key(big, 0))
+    assert store.get(sc, at_limit, 0) == b"x" * 10
+
+
+def test_puts_never_overwrite_and_discard_removes_everywhere(make_store, rds, redis_srv,
+                                                             tmp_path) -> None:
+    """A stored object is kept as it is (SET NX): a second writer of the same key changes
+    nothing; discard() removes it from every tier so a later save can replace it."""
+    first = make_store(store_url=redis_srv.url)
+    second = make_store(store_url=redis_srv.url, local_cpu_bytes=8 * MiB,
+                        local_disk=str(tmp_path))
+    sc = scope()
+    ch = h()
+    original, forged = os.urandom(50_000), os.urandom(50_000)
+    done = Results()
+    assert first.put(sc, ch, 0, original, on_done=done) and first.flush()
+    key = sc.chunk_key(ch, 0)
+    ttl = rds.pttl(key)
+    assert second.put(sc, ch, 0, forged, on_done=done) and second.flush()
+    assert done.items == [(True, None), (True, None)]
+    assert 0 < rds.pttl(key) <= ttl, "the refused put did not touch the stored object"
+    assert first.get(sc, ch, 0) == original
+    assert first._plugin is not None and second._plugin is not None
+    assert second._plugin.kept_existing_count == 1
+    assert second.contains_local(sc, ch, 0)
+    second.discard(sc, ch, 0)
+    assert not rds.exists(key) and not second.contains_local(sc, ch, 0)
+    assert second.get(sc, ch, 0) is None
+    assert second.put(sc, ch, 0, forged) and second.flush()
+    assert first.get(sc, ch, 0) == forged

@@ -19,18 +19,44 @@ any failure on that path (Redis down, tokenizer error, no registered store scope
 P/D flow, never an error to the client. The decision is the record's ``route`` and the
 ``X-TurboWire-Route`` response header.
 
+The lookup names chunks exactly as the engines do (:func:`turbowire.store.keys.chunk_hashes`
+under :class:`turbowire.store.keys.ChainInputs`): the body's ``cache_salt`` and, when ``model``
+is a LoRA adapter, its name and path (learned from the decode engine's ``/v1/models``, where an
+adapter's card has a ``parent``; its ``root`` is the adapter path vLLM keys on). Requests whose
+KV depends on what the proxy cannot hash (images, audio, video or embeddings in the prompt) never
+take the store route (``pd_unsupported_input``), nor do requests for a model the decode engine
+does not list (``pd_unknown_model``).
+
+What clients learn (the store is a prefix cache shared by tenants, so how much of a guessed
+prompt is stored must not be observable): the route header, the timing headers, the per-request
+records at ``GET /turbowire/requests/{id}`` and the engine list of ``/health`` are served only to
+callers presenting the admin token (``X-TurboWire-Admin-Token``, or ``Authorization: Bearer`` on
+the proxy's own GET endpoints), or to everyone with ``expose_internals`` (demos, benchmarks on a
+trusted host). Records never hold the lease token or the prompt hash (an allowlist of
+``kv_transfer_params`` fields). Lookups never refresh a directory entry's TTL (only an engine's
+real load does). With a :class:`TenantSalt` the proxy sets each request's ``cache_salt`` to
+``HMAC(secret, tenant id, client salt)``: tenants never share KV (neither in vLLM's prefix cache
+nor in the store), and no client can name another tenant's salt.
+
+Client bodies never carry transfer params onward: a top-level ``kv_transfer_params`` or
+``ec_transfer_params`` is dropped, and one smuggled inside ``vllm_xargs`` (which vLLM copies into
+the request without a type check) is refused with HTTP 400 before any engine is asked, on every
+route.
+
 Per-request timings (prefill, decode TTFT, KV transfer when the decode engine reports it) go to
-Prometheus (``/metrics``, names from ``turbowire.metrics_catalog``) and to
-``GET /turbowire/requests/{id}`` (the demo prints them).
+Prometheus (``/metrics``, names from ``turbowire.metrics_catalog``) and to the records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import itertools
 import json
 import logging
+import struct
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -43,7 +69,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from turbowire.errors import TurboWireError
-from turbowire.store.keys import DEFAULT_NAMESPACE, StoreScope, chunk_hashes
+from turbowire.store.keys import DEFAULT_NAMESPACE, ChainInputs, StoreScope, chunk_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +83,39 @@ PREFILL_PARAMS = {
 }
 DROP_FOR_PREFILL = ("stream_options", "min_tokens")
 MAX_RECORDS = 1024
-#: prefill kv_transfer_params fields forwarded to decode but never shown in request records
-SECRET_KV_FIELDS = frozenset({"turbowire_lease_token"})
+#: The prefill's kv_transfer_params fields a request record shows (an allowlist: never the lease
+#: token, the prompt hash, a MAC or whatever secret a later version adds).
+RECORD_KV_FIELDS = frozenset({
+    "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id",
+    "remote_host", "remote_port", "remote_num_tokens", "tp_size", "turbowire_preset",
+    "turbowire_format_version", "turbowire_dense_bytes", "turbowire_wire_bytes",
+})
 #: Largest request body the proxy reads (a 128k-token prompt is ~1 MB as text or token ids);
-#: a larger one is refused with 413 before it is parsed. ``--max-body-bytes`` changes it.
-DEFAULT_MAX_BODY_BYTES = 16 << 20
+#: a larger one is refused with 413 before it is parsed. ``--max-body-bytes`` changes it. A parsed
+#: body holds up to ~5x its size (a list of token ids): with ``--max-concurrency`` requests at
+#: once the proxy needs about concurrency x 5 x this much memory at worst.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+#: Requests (connections) uvicorn serves at once; beyond it, HTTP 503 (``--max-concurrency``).
+DEFAULT_MAX_CONCURRENCY = 512
+#: Transfer params a client may smuggle inside ``vllm_xargs`` (vLLM copies them into the
+#: request unchecked, as connector/http_guard.py on the engines explains): refused with 400.
+SMUGGLED_XARGS = ("kv_transfer_params", "ec_transfer_params")
+#: Top-level body fields that are the engines' business: dropped from client bodies.
+DROPPED_CLIENT_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+#: The header that carries the admin token on any request (Authorization is the engines' key).
+ADMIN_TOKEN_HEADER = "x-turbowire-admin-token"
+MIN_SECRET_CHARS = 16
+MAX_SECRET_CHARS = 4096
+#: A tenant id (an API key or a gateway header value) longer than this is refused (401).
+MAX_TENANT_ID_CHARS = 4096
+#: A client cache_salt the tenant salt is combined with (vLLM allows 128; HMAC takes any).
+MAX_CLIENT_SALT_CHARS = 1024
+#: The decode engines' /v1/models is re-read this often (LoRA adapters loaded at run time), and
+#: at most every MODELS_MISS_REFRESH_SECONDS when a request names a model not listed.
+MODELS_REFRESH_SECONDS = 30.0
+MODELS_MISS_REFRESH_SECONDS = 2.0
+MAX_MODEL_CARDS = 4096
+MAX_MODEL_ID_CHARS = 1024
 #: A client's ``X-Request-Id`` travels to both engines (vLLM names the request after it); one
 #: that is too long or holds other characters is replaced by a fresh id.
 _REQUEST_ID_CHARS = frozenset(
@@ -73,12 +127,16 @@ MAX_REQUEST_ID_CHARS = 128
 #: ``pd``: no directory configured; ``store_hit``: every full chunk of the prompt is stored, decode
 #: engine only; the other ``pd_*`` ran the normal P/D flow because of what the lookup found:
 #: ``pd_partial`` (some leading chunks stored), ``pd_miss`` (none), ``pd_short`` (no full chunk),
-#: ``pd_no_scope`` (no store engine registered), ``pd_unsupported_prompt`` (batch or embeddings
-#: prompt), ``pd_tokenize_error`` (the decode engine's /tokenize failed), ``pd_directory_error``
-#: (Redis unreachable or the directory call failed).
+#: ``pd_no_scope`` (no store engine registered), ``pd_unsupported_prompt`` (a batch, or no prompt
+#: string or token ids), ``pd_unsupported_input`` (images, audio, video or embeddings in the
+#: prompt: KV keyed on inputs the proxy cannot hash), ``pd_unknown_model`` (the decode engine's
+#: /v1/models does not list the model, or could not be read), ``pd_tokenize_error`` (the decode
+#: engine's /tokenize failed), ``pd_directory_error`` (Redis unreachable or the directory call
+#: failed).
 ROUTES = (
     "pd", "store_hit", "pd_partial", "pd_miss", "pd_short", "pd_no_scope",
-    "pd_unsupported_prompt", "pd_tokenize_error", "pd_directory_error",
+    "pd_unsupported_prompt", "pd_unsupported_input", "pd_unknown_model", "pd_tokenize_error",
+    "pd_directory_error",
 )  # fmt: skip
 SCOPE_REFRESH_SECONDS = 10.0
 EMPTY_REGISTRY_REFRESH_SECONDS = 1.0
@@ -115,6 +173,8 @@ class RequestRecord:
     decode_report: dict[str, Any] | None = None
     outcome: str = "in_flight"
     started: float = field(default_factory=time.time)
+    #: whether the client may see the route (not served: a property of the caller)
+    expose: bool = field(default=False, repr=False)
 
 
 class _Metrics:
@@ -224,8 +284,19 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
         raise HTTPException(400, f"request body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise HTTPException(400, "request body must be a JSON object")
-    # kv_transfer_params are the engines' business: a client's own are never forwarded
-    body.pop("kv_transfer_params", None)
+    # transfer params are the engines' business: a client's own are never forwarded
+    for name in DROPPED_CLIENT_FIELDS:
+        body.pop(name, None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        for name in SMUGGLED_XARGS:
+            if name in xargs:
+                raise HTTPException(400, f"vllm_xargs.{name} is not accepted: transfer params "
+                                         "are set by the proxy, never by a client")
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        # vLLM refuses this on the decode request only (the prefill request drops
+        # stream_options), after the prefill engine staged the prompt: refuse it before either
+        raise HTTPException(400, "stream_options can only be set if stream is true")
     return body
 
 
@@ -242,6 +313,234 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 class UnsupportedPrompt(TurboWireError, ValueError):
     """A prompt the proxy does not look up (a batch, embeddings): it goes the normal P/D way."""
+
+
+class UnknownModel(TurboWireError, ValueError):
+    """The decode engine does not list the request's model (or its list could not be read): the
+    proxy cannot tell which adapter's keys to look up."""
+
+
+class UnsupportedInput(UnsupportedPrompt):
+    """A prompt whose KV depends on inputs the proxy cannot hash as the engines do (images,
+    audio, video, embeddings): it never takes the store route."""
+
+
+#: Chat content part types that carry text only (vllm/renderers/chat_utils.py
+#: ``_TEXT_CONTENT_PART_TYPES``); any other type, or a part with one of the media keys, is
+#: multimodal (vLLM's ``has_non_text_content`` rule).
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking",
+                             "tool_reference"})
+MEDIA_PART_KEYS = frozenset({
+    "input_image", "image_url", "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds",
+    "image_pil", "audio_url", "input_audio", "video_url",
+})
+
+
+def unsupported_input(endpoint: str, body: dict[str, Any]) -> str | None:
+    """What in ``body`` the store keys cannot name (vLLM keys it by hashes the proxy does not
+    have), or None for a text-only prompt."""
+    if body.get("prompt_embeds") is not None:
+        return "prompt_embeds"
+    if endpoint != "/v1/chat/completions":
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, str):
+                continue
+            if not isinstance(part, dict):
+                return "a content part that is not text"
+            kind = part.get("type", "text")
+            if not isinstance(kind, str) or kind not in TEXT_PART_TYPES or any(
+                    key in part for key in MEDIA_PART_KEYS):
+                return f"a {str(kind)[:40]!r} content part"
+    return None
+
+
+# -- who sees what -----------------------------------------------------------------------------
+
+
+def _check_secret(what: str, secret: str) -> str:
+    secret = secret.strip()
+    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS:
+        raise ProxyConfigError(f"{what} must be {MIN_SECRET_CHARS}-{MAX_SECRET_CHARS} characters "
+                               f"(got {len(secret)})")
+    if any(not c.isprintable() or c.isspace() for c in secret):
+        raise ProxyConfigError(f"{what} must be printable characters without spaces")
+    return secret
+
+
+def bearer_token(value: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
+    if not value or len(value) > MAX_TENANT_ID_CHARS + 16:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or any(c.isspace() for c in token):
+        return None
+    return token
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Who sees the proxy's internals (route and timing headers, request records, /health's
+    engine list): callers with the admin token, or everyone with ``expose_internals``."""
+
+    admin_token: str | None = None
+    expose_internals: bool = False
+    protect_metrics: bool = False  # /metrics only with the admin token
+
+    def __post_init__(self) -> None:
+        if self.admin_token is not None:
+            object.__setattr__(self, "admin_token", _check_secret("the admin token",
+                                                                  self.admin_token))
+        if self.protect_metrics and self.admin_token is None:
+            raise ProxyConfigError("--protect-metrics needs an admin token (--admin-token-file "
+                                   "or TURBOWIRE_PROXY_ADMIN_TOKEN)")
+
+    def is_admin(self, headers: Any, *, allow_bearer: bool = False) -> bool:
+        """Whether the request presents the admin token (constant-time compare); on the
+        proxy's own GET endpoints ``Authorization: Bearer`` carries it too (Prometheus)."""
+        if self.admin_token is None:
+            return False
+        expected = self.admin_token.encode()
+        given = headers.get(ADMIN_TOKEN_HEADER)
+        if given is not None and hmac.compare_digest(given.encode(errors="replace"), expected):
+            return True
+        if allow_bearer:
+            token = bearer_token(headers.get("authorization"))
+            return token is not None and hmac.compare_digest(token.encode(errors="replace"),
+                                                             expected)
+        return False
+
+    def sees_internals(self, headers: Any, *, allow_bearer: bool = False) -> bool:
+        return self.expose_internals or self.is_admin(headers, allow_bearer=allow_bearer)
+
+
+#: What a tenant salt is derived from: the caller's API key, or a header a gateway sets.
+TENANT_SOURCES = ("api-key", "header")
+_HEADER_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_")
+_TENANT_SALT_TAG = b"turbowire/tenant-salt/v1"
+
+
+def _lp(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+@dataclass(frozen=True)
+class TenantSalt:
+    """Per-tenant ``cache_salt``: ``tw1`` + HMAC-SHA256(secret, tenant id, client salt) in hex
+    (67 characters: within vLLM's 128 and free of its forbidden characters). A tenant's own
+    salts stay apart from each other, and no client can produce another tenant's salt without
+    the secret."""
+
+    source: str  # "api-key" or "header"
+    header: str | None
+    secret: bytes
+
+    @classmethod
+    def parse(cls, spec: str, secret: str) -> TenantSalt:
+        """``spec`` is ``api-key`` (the ``Authorization: Bearer`` token names the tenant) or
+        ``header:NAME`` (a header a trusted gateway sets, e.g. ``header:X-Tenant-Id``)."""
+        if not isinstance(spec, str):
+            raise ProxyConfigError("--tenant-salt-from must be api-key or header:NAME")
+        kind, _, name = spec.strip().partition(":")
+        kind = kind.strip().lower()
+        header = None
+        if kind == "header":
+            header = name.strip().lower()
+            if not header or len(header) > 64 or not set(header) <= _HEADER_NAME_CHARS \
+                    or header in ("authorization", ADMIN_TOKEN_HEADER, "content-length"):
+                raise ProxyConfigError(f"--tenant-salt-from {spec!r}: name a header such as "
+                                       "header:X-Tenant-Id (letters, digits, - and _)")
+        elif kind != "api-key" or name:
+            raise ProxyConfigError(f"--tenant-salt-from {spec!r}: use api-key or header:NAME")
+        return cls(kind, header, _check_secret("the tenant salt secret", secret).encode())
+
+    def tenant_of(self, headers: Any) -> str | None:
+        """The tenant id the request presents, or None (the request is refused)."""
+        if self.source == "api-key":
+            value = bearer_token(headers.get("authorization"))
+        else:
+            assert self.header is not None
+            value = headers.get(self.header)
+            value = value.strip() if isinstance(value, str) else None
+        if not value or len(value) > MAX_TENANT_ID_CHARS or not value.isprintable():
+            return None
+        return value
+
+    def salt(self, tenant: str, client_salt: str | None) -> str:
+        data = _TENANT_SALT_TAG + _lp(tenant.encode("utf-8", "surrogatepass"))
+        if client_salt is not None:
+            data += b"\x01" + _lp(client_salt.encode("utf-8", "surrogatepass"))
+        return "tw1" + hmac.new(self.secret, data, hashlib.sha256).hexdigest()
+
+    def __repr__(self) -> str:  # never the secret
+        return f"TenantSalt(source={self.source!r}, header={self.header!r})"
+
+
+def apply_tenant_salt(salt: TenantSalt, body: dict[str, Any], headers: Any) -> None:
+    """Set ``body["cache_salt"]`` to the caller's tenant salt (401 without a tenant id, 400 for
+    a client salt that is not a short non-empty string)."""
+    tenant = salt.tenant_of(headers)
+    if tenant is None:
+        what = "an Authorization: Bearer API key" if salt.source == "api-key" else \
+            f"the {salt.header} header"
+        raise HTTPException(401, f"this proxy keeps tenants apart: send {what}")
+    client = body.get("cache_salt")
+    if client is not None and (not isinstance(client, str) or not client
+                               or len(client) > MAX_CLIENT_SALT_CHARS):
+        raise HTTPException(400, "cache_salt must be a non-empty string of at most "
+                                 f"{MAX_CLIENT_SALT_CHARS} characters")
+    body["cache_salt"] = salt.salt(tenant, client)
+
+
+# -- LoRA adapters from /v1/models -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """One entry of an engine's /v1/models: a base model (``lora_path`` None) or a LoRA adapter
+    (vLLM lists adapters with a ``parent``; ``root`` is the adapter path it keys KV on)."""
+
+    name: str
+    lora_path: str | None
+
+
+def parse_model_list(payload: Any) -> dict[str, ModelCard]:
+    """The cards of a /v1/models answer by name; malformed cards are skipped, and an answer that
+    is not an OpenAI model list is refused (ValueError)."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("not a model list (no data array)")
+    out: dict[str, ModelCard] = {}
+    for card in data[:MAX_MODEL_CARDS]:
+        if not isinstance(card, dict):
+            continue
+        name, parent, root = card.get("id"), card.get("parent"), card.get("root")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_MODEL_ID_CHARS:
+            continue
+        if parent is None:
+            out.setdefault(name, ModelCard(name, None))
+        elif isinstance(parent, str) and isinstance(root, str) and root \
+                and len(root) <= MAX_MODEL_ID_CHARS:
+            out[name] = ModelCard(name, root)
+    return out
+
+
+def record_view(rec: RequestRecord) -> dict[str, Any]:
+    """A record as served: the prefill params reduced to :data:`RECORD_KV_FIELDS`."""
+    out = asdict(rec)
+    out.pop("expose", None)
+    kv = out.get("kv_transfer_params")
+    if isinstance(kv, dict):
+        out["kv_transfer_params"] = {k: v for k, v in kv.items() if k in RECORD_KV_FIELDS}
+    return out
 
 
 #: Chat request fields that shape the prompt's tokens and that vLLM's /tokenize accepts as well
@@ -295,7 +594,7 @@ def tokenize_request(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | li
             out["chat_template_kwargs"] = kwargs
         return out
     if body.get("prompt_embeds") is not None:
-        raise UnsupportedPrompt("prompt_embeds")
+        raise UnsupportedInput("prompt_embeds")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -346,6 +645,9 @@ class StoreRouter:
         self._lock = asyncio.Lock()
         self._warned_disagreement: set[frozenset[StoreScope]] = set()
         self._warned_at: dict[str, float] = {}
+        #: per decode engine URL: (read at, its model cards); one read at a time per URL
+        self._models: dict[str, tuple[float, dict[str, ModelCard]]] = {}
+        self._models_locks: dict[str, asyncio.Lock] = {}
 
     def _warn(self, key: str, msg: str, *args: Any) -> None:
         """A warning at most every 30 s per kind (Redis down would otherwise log every request)."""
@@ -420,6 +722,58 @@ class StoreRouter:
                 return scope
         return Counter(s for _, s in scopes).most_common(1)[0][0]
 
+    async def _model_cards(self, client: httpx.AsyncClient, url: str, headers: dict[str, str],
+                           want: str | None) -> dict[str, ModelCard]:
+        """The decode engine's model cards, re-read after ``MODELS_REFRESH_SECONDS`` (or after
+        ``MODELS_MISS_REFRESH_SECONDS`` when ``want`` is not among them)."""
+        def fresh() -> dict[str, ModelCard] | None:
+            at, cards = self._models.get(url, (-float("inf"), {}))
+            age = time.monotonic() - at
+            if age < MODELS_REFRESH_SECONDS and (want is None or want in cards
+                                                 or age < MODELS_MISS_REFRESH_SECONDS):
+                return cards
+            return None
+
+        cards = fresh()
+        if cards is not None:
+            return cards
+        lock = self._models_locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            cards = fresh()
+            if cards is not None:
+                return cards
+            auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+            r = await client.get("/v1/models", headers=auth, timeout=self.tokenize_timeout)
+            if r.status_code != 200:
+                raise ValueError(f"/v1/models answered {r.status_code}")
+            cards = parse_model_list(r.json())
+            self._models[url] = (time.monotonic(), cards)
+            return cards
+
+    async def chain_inputs(self, body: dict[str, Any], client: httpx.AsyncClient, url: str,
+                           headers: dict[str, str]) -> ChainInputs:
+        """The key inputs of a request as the engine will see them: the body's ``cache_salt``
+        and, for a LoRA model, the adapter's name and path (from the engine's /v1/models).
+        Raises UnknownModel for a model the engine does not list."""
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise UnsupportedPrompt("cache_salt is not a non-empty string")
+        model = body.get("model")
+        if model is None:
+            return ChainInputs(cache_salt=salt)  # vLLM serves its base model
+        if not isinstance(model, str):
+            raise UnknownModel("model is not a string")
+        try:
+            cards = await self._model_cards(client, url, headers, model)
+        except (httpx.HTTPError, ValueError, RecursionError) as exc:
+            raise UnknownModel(f"reading /v1/models of {url}: {exc}") from exc
+        card = cards.get(model)
+        if card is None:
+            raise UnknownModel(f"{url} does not serve model {model[:80]!r}")
+        if card.lora_path is None:
+            return ChainInputs(cache_salt=salt)
+        return ChainInputs(cache_salt=salt, lora_name=card.name, lora_path=card.lora_path)
+
     async def _tokens(
         self, endpoint: str, body: dict[str, Any], client: httpx.AsyncClient,
         headers: dict[str, str],
@@ -458,8 +812,20 @@ class StoreRouter:
             self._warn("no_scope", "no store engine registered in namespace %r: routing P/D",
                        self.namespace)
             return RouteDecision("pd_no_scope")
+        if unsupported_input(endpoint, body) is not None:
+            return RouteDecision("pd_unsupported_input")
+        try:
+            inputs = await self.chain_inputs(body, client, decode_url, headers)
+        except UnknownModel as exc:
+            self._warn(f"model:{decode_url}", "no store route for this model, routing P/D: %s",
+                       exc)
+            return RouteDecision("pd_unknown_model")
+        except UnsupportedPrompt:
+            return RouteDecision("pd_unsupported_prompt")
         try:
             tokens = await self._tokens(endpoint, body, client, headers)
+        except UnsupportedInput:
+            return RouteDecision("pd_unsupported_input")
         except UnsupportedPrompt:
             return RouteDecision("pd_unsupported_prompt")
         except Exception as exc:
@@ -467,7 +833,7 @@ class StoreRouter:
                        decode_url, exc)
             return RouteDecision("pd_tokenize_error")
         try:
-            hashes = chunk_hashes(tokens, scope.chunk_tokens)
+            hashes = chunk_hashes(tokens, scope.chunk_tokens, inputs=inputs)
         except TurboWireError:
             return RouteDecision("pd_unsupported_prompt", prompt_tokens=len(tokens))
         if not hashes:
@@ -500,10 +866,14 @@ class PDProxy:
         directory: Any | None = None,
         store_namespace: str = DEFAULT_NAMESPACE,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        visibility: Visibility | None = None,
+        tenant_salt: TenantSalt | None = None,
     ) -> None:
         if max_body_bytes < 1:
             raise ProxyConfigError(f"--max-body-bytes must be positive, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
+        self.visibility = visibility or Visibility()
+        self.tenant_salt = tenant_salt
         self.prefill_urls = _check_urls("prefill", prefill_urls)
         self.decode_urls = _check_urls("decode", decode_urls)
         self._p_cycle = itertools.cycle(range(len(self.prefill_urls)))
@@ -552,10 +922,13 @@ class PDProxy:
 
     async def handle(self, endpoint: str, request: Request) -> Response:
         body = await read_json_body(request, self.max_body_bytes)
+        if self.tenant_salt is not None:
+            apply_tenant_salt(self.tenant_salt, body, request.headers)
         request_id = request_id_from(request.headers.get("x-request-id"))
         d_url = self.decode_urls[next(self._d_cycle)]
         stream = bool(body.get("stream"))
         rec = RequestRecord(request_id, endpoint, None, d_url, stream)
+        rec.expose = self.visibility.sees_internals(request.headers)
         self._remember(rec)
         headers = {"X-Request-Id": request_id}
         auth = request.headers.get("authorization")
@@ -582,11 +955,11 @@ class PDProxy:
             return self._error(rec, outcome, p_resp.status_code, p_resp.text, passthrough=True)
         p_json = p_resp.json()
         kv = p_json.get("kv_transfer_params")
-        # served at GET /turbowire/requests/{id}: never the lease token, which lets its holder
-        # release or extend that request's staging on the prefill engine
+        # served at GET /turbowire/requests/{id}: only RECORD_KV_FIELDS, never the lease token
+        # (it releases or extends the staging) nor the prompt hash
         rec.kv_transfer_params = (
-            {k: v for k, v in kv.items() if k not in SECRET_KV_FIELDS}
-            if isinstance(kv, dict) else kv
+            {k: v for k, v in kv.items() if k in RECORD_KV_FIELDS} if isinstance(kv, dict)
+            else None
         )
         rec.prompt_tokens = (p_json.get("usage") or {}).get("prompt_tokens", rec.prompt_tokens)
         d_body = dict(body)
@@ -598,8 +971,13 @@ class PDProxy:
             )
         return await self._decode(rec, endpoint, d_body, headers, t0)
 
-    def _headers(self, rec: RequestRecord) -> dict[str, str]:
-        return {"X-Request-Id": rec.request_id, "X-TurboWire-Route": rec.route}
+    @staticmethod
+    def _headers(rec: RequestRecord) -> dict[str, str]:
+        """The response headers: the route only for callers who may see internals."""
+        out = {"X-Request-Id": rec.request_id}
+        if rec.expose:
+            out["X-TurboWire-Route"] = rec.route
+        return out
 
     async def _decode(
         self, rec: RequestRecord, endpoint: str, d_body: dict[str, Any],
@@ -626,9 +1004,14 @@ class PDProxy:
             )  # without a prefill step, the decode engine is the first to judge the request
             return self._error(rec, outcome, d_resp.status_code, d_resp.text, passthrough=True)
         d_json = d_resp.json()
-        report = (d_json.get("kv_transfer_params") or {}).get("turbowire_load")
+        kv_out = d_json.get("kv_transfer_params") if isinstance(d_json, dict) else None
+        report = kv_out.get("turbowire_load") if isinstance(kv_out, dict) else None
         rec.decode_report = report if isinstance(report, dict) else None
-        usage = d_json.get("usage") or {}
+        if not rec.expose and isinstance(d_json, dict):
+            # the decode engine's load report says whether (and how much of) the prompt came
+            # from the store: the same oracle as the route header
+            d_json.pop("kv_transfer_params", None)
+        usage = (d_json.get("usage") if isinstance(d_json, dict) else None) or {}
         rec.completion_tokens = usage.get("completion_tokens")
         if rec.prompt_tokens is None:
             rec.prompt_tokens = usage.get("prompt_tokens")
@@ -637,9 +1020,10 @@ class PDProxy:
         rec.outcome = "ok"
         self._done(rec)
         out = self._headers(rec)
-        if rec.prefill_seconds is not None:
-            out["X-TurboWire-Prefill-Ms"] = f"{rec.prefill_seconds * 1e3:.1f}"
-        out["X-TurboWire-Decode-Ms"] = f"{(now - t1) * 1e3:.1f}"
+        if rec.expose:  # the timings tell a store hit (no prefill) from P/D as well
+            if rec.prefill_seconds is not None:
+                out["X-TurboWire-Prefill-Ms"] = f"{rec.prefill_seconds * 1e3:.1f}"
+            out["X-TurboWire-Decode-Ms"] = f"{(now - t1) * 1e3:.1f}"
         return JSONResponse(d_json, headers=out)
 
     async def _stream(
@@ -673,7 +1057,9 @@ class PDProxy:
             rec.outcome = "ok"
         except httpx.HTTPError as exc:
             rec.outcome = "decode_error"
-            yield f"data: {json.dumps({'error': f'decode engine: {exc}'})}\n\n".encode()
+            logger.warning("request %s: decode stream failed: %s", rec.request_id, exc)
+            detail = f"decode engine: {exc}" if rec.expose else "decode engine failed"
+            yield f"data: {json.dumps({'error': detail})}\n\n".encode()
         finally:
             rec.total_seconds = time.perf_counter() - t0
             if rec.outcome == "in_flight":
@@ -707,6 +1093,8 @@ class PDProxy:
         rec.outcome = outcome
         self._done(rec)
         logger.warning("request %s: %s (%d): %s", rec.request_id, outcome, status, message[:300])
+        if not passthrough and not rec.expose:  # engine URLs and errors stay in the log
+            message = f"{outcome.replace('_', ' ')}: the engine could not be reached"
         if passthrough:
             return Response(
                 message, status_code=status, media_type="application/json",
@@ -732,8 +1120,8 @@ class PDProxy:
 def open_directory(url: str, ttl_seconds: float = DIRECTORY_TTL_SECONDS) -> Any:
     """The store directory at ``url`` (``redis://HOST:PORT[/DB]`` or ``rediss://``).
 
-    ``ttl_seconds`` should be the engines' ``store_ttl_seconds``: a lookup that hits refreshes the
-    entries it found to it. Nothing is contacted here: the proxy starts (and serves P/D) while
+    The proxy only reads it (lookups never refresh an entry's TTL), so ``ttl_seconds`` has no
+    effect on what is stored. Nothing is contacted here: the proxy starts (and serves P/D) while
     Redis is down."""
     from turbowire.store.directory import Directory
 
@@ -754,15 +1142,20 @@ def build_app(
     directory_ttl_seconds: float = DIRECTORY_TTL_SECONDS,
     directory: Any | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    visibility: Visibility | None = None,
+    tenant_salt: TenantSalt | None = None,
 ) -> FastAPI:
     """The FastAPI app (``turbowire proxy`` serves it with uvicorn).
 
     ``directory_url`` turns on cache-aware routing (``directory`` injects a ready directory
-    object instead, for tests)."""
+    object instead, for tests). ``visibility`` says who sees routes, timings, records and the
+    engine list (default: nobody); ``tenant_salt`` salts every request per tenant."""
     if directory is None and directory_url:
         directory = open_directory(directory_url, directory_ttl_seconds)
+    visibility = visibility or Visibility()
     proxy = PDProxy(
-        prefill_urls, decode_urls, timeout, transport, directory, store_namespace, max_body_bytes
+        prefill_urls, decode_urls, timeout, transport, directory, store_namespace, max_body_bytes,
+        visibility, tenant_salt,
     )
 
     @contextlib.asynccontextmanager
@@ -773,6 +1166,9 @@ def build_app(
     app = FastAPI(title="turbowire P/D proxy", lifespan=lifespan)
     app.state.proxy = proxy
 
+    def internals(request: Request) -> bool:
+        return visibility.sees_internals(request.headers, allow_bearer=True)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy.handle("/v1/completions", request)
@@ -782,27 +1178,40 @@ def build_app(
         return await proxy.handle("/v1/chat/completions", request)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        r = await proxy._clients[proxy.decode_urls[0]].get("/v1/models")
+    async def models(request: Request) -> Response:
+        auth = request.headers.get("authorization")
+        r = await proxy._clients[proxy.decode_urls[0]].get(
+            "/v1/models", headers={"Authorization": auth} if auth else None)
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         ok, engines = await proxy.health()
-        return JSONResponse({"status": "ok" if ok else "degraded", "engines": engines},
-                            status_code=200 if ok else 503)
+        out: dict[str, Any] = {"status": "ok" if ok else "degraded"}
+        if internals(request):  # engine URLs and states are internal
+            out["engines"] = engines
+        return JSONResponse(out, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if visibility.protect_metrics and not visibility.is_admin(request.headers,
+                                                                  allow_bearer=True):
+            raise HTTPException(401, "/metrics needs the admin token (--protect-metrics)")
         return Response(proxy.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @app.get("/turbowire/requests/{request_id}")
-    async def request_record(request_id: str) -> Response:
+    async def request_record(request_id: str, request: Request) -> Response:
+        if not internals(request):
+            if visibility.admin_token is None:
+                raise HTTPException(404, "request records are off: start the proxy with "
+                                         "--admin-token-file (or --expose-internals)")
+            raise HTTPException(401, f"request records need the admin token "
+                                     f"({ADMIN_TOKEN_HEADER} or Authorization: Bearer)")
         rec = proxy.records.get(request_id)
         if rec is None:
             raise HTTPException(
                 404, f"no record of request {request_id} (kept: last {MAX_RECORDS})"
             )
-        return JSONResponse(asdict(rec))
+        return JSONResponse(record_view(rec))
 
     return app

@@ -8,8 +8,12 @@ on another Redis than the bytes.
 Keys (every one starts with ``<namespace>/``; names hold no ``/``, so shapes never collide):
 
 * ``{scope.prefix}/{hash hex}``: a hash ``{"r<rank>": nbytes}`` (7 segments), TTL refreshed by
-  :meth:`Directory.publish` and by lookups that hit;
-* ``{namespace}/engines/{engine_id}``: a JSON string (3 segments), TTL = the registration's;
+  :meth:`Directory.publish` and by :meth:`Directory.touch` (an engine that really loaded the
+  chunk), never by a lookup: asking costs the owner nothing and keeps nothing alive (a proxy
+  probing prompts must not extend another tenant's entries);
+* ``{namespace}/engines``: the engine registry, one hash ``{engine_id: JSON}`` (2 segments); each
+  entry carries its own ``expires_at`` (unix time) and is ignored past it, the hash expires with
+  its newest entry. One HGETALL reads it: no SCAN over the keyspace (chunks included);
 * the blobs of :mod:`turbowire.store.tiers` are ``{scope.prefix}/{hash hex}/r<rank>`` (8).
 
 A dead Redis must not slow a scheduler loop down: socket timeouts are short, and after one
@@ -49,6 +53,11 @@ _RANK_FIELD_RE = re.compile(r"^r(\d{1,4})$")
 _SCAN_COUNT = 1000
 _BATCH = 500
 _MAX_INT = 1 << 62
+#: An expired registration is deleted by the next engine that registers only this long after it
+#: expired (so a registration racing the cleanup is never deleted while it is being renewed).
+REGISTRY_GRACE_SECONDS = 60.0
+#: Entries the registry hash may hold; an engine's registration beyond it is refused.
+REGISTRY_MAX_ENTRIES = 4096
 
 T = TypeVar("T")
 
@@ -115,6 +124,7 @@ class EngineEntry:
     scope: dict  # StoreScope.to_dict()
     record: dict  # compatibility record (opaque JSON-able dict)
     heartbeat: float = field(default=0.0)  # unix time of the last registration
+    expires_at: float = field(default=0.0)  # unix time after which the entry is ignored
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> EngineEntry | None:
@@ -126,6 +136,7 @@ class EngineEntry:
             engine_id, role, side = data["engine_id"], data["role"], data["side_channel"]
             http_url, scope, record = data.get("http_url"), data["scope"], data["record"]
             heartbeat = data["heartbeat"]
+            expires_at = data.get("expires_at", 0.0)
             if not (isinstance(engine_id, str) and _ENGINE_ID_RE.match(engine_id)):
                 return None
             if not isinstance(role, str) or not isinstance(side, str) or ":" not in side:
@@ -135,10 +146,12 @@ class EngineEntry:
             if not isinstance(scope, dict) or not isinstance(record, dict):
                 return None
             StoreScope.from_dict(scope)
-            if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) \
-                    or not math.isfinite(heartbeat):
-                return None
-            return cls(engine_id, role, side, http_url, scope, record, float(heartbeat))
+            for value in (heartbeat, expires_at):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value):
+                    return None
+            return cls(engine_id, role, side, http_url, scope, record, float(heartbeat),
+                       float(expires_at))
         except (ValueError, TypeError, KeyError, StoreKeyError, RecursionError, OverflowError):
             return None
 
@@ -231,7 +244,9 @@ class Directory:
     # -- chunks --------------------------------------------------------------------------
 
     def publish(self, scope: StoreScope, entries: Sequence[tuple[bytes, int, int]]) -> None:
-        """Record that these ranks' bytes of these chunks are stored (one round trip)."""
+        """Record that these ranks' bytes of these chunks are stored (one round trip). A rank
+        already listed is kept as it is (HSETNX): a save never rewrites what another engine
+        published; the entry's TTL is refreshed."""
         rows: list[tuple[str, str, int]] = []
         for chunk_hash, rank, nbytes in entries:
             if not 0 <= rank < scope.tp_size:
@@ -245,12 +260,25 @@ class Directory:
         def build(pipe: Any) -> None:
             seen: set[str] = set()
             for key, fld, nbytes in rows:
-                pipe.hset(key, fld, nbytes)
+                pipe.hsetnx(key, fld, nbytes)
                 seen.add(key)
             for key in seen:
                 pipe.pexpire(key, self.ttl_ms)
 
         self._pipeline("publish", build)
+
+    def touch(self, scope: StoreScope, hashes: Sequence[bytes]) -> None:
+        """Refresh the TTL of these chunks' entries: an engine loaded them (only real loads keep
+        entries alive; lookups never do)."""
+        keys = [_chunk_key(scope, h) for h in hashes]
+        if not keys:
+            return
+
+        def build(pipe: Any) -> None:
+            for key in keys:
+                pipe.pexpire(key, self.ttl_ms)
+
+        self._pipeline("touch", build)
 
     def _rank_bytes(self, scope: StoreScope, hashes: Sequence[bytes],
                     what: str) -> tuple[list[str], list[list[int | None]]]:
@@ -272,20 +300,14 @@ class Directory:
         return keys, rows
 
     def longest_prefix(self, scope: StoreScope, hashes: Sequence[bytes]) -> int:
-        """How many leading chunks are stored on all ``scope.tp_size`` ranks; refreshes the TTL
-        of those (a second pipelined trip, only when there are hits)."""
-        keys, rows = self._rank_bytes(scope, hashes, "longest_prefix")
+        """How many leading chunks are stored on all ``scope.tp_size`` ranks (one pipelined
+        round trip of reads; nothing is refreshed: see :meth:`touch`)."""
+        _, rows = self._rank_bytes(scope, hashes, "longest_prefix")
         hits = 0
         for row in rows:
             if any(v is None for v in row):
                 break
             hits += 1
-        if hits:
-            def build(pipe: Any) -> None:
-                for key in keys[:hits]:
-                    pipe.pexpire(key, self.ttl_ms)
-
-            self._pipeline("refresh", build)
         return hits
 
     def stored_bytes(self, scope: StoreScope, hashes: Sequence[bytes]) -> list[int]:
@@ -302,49 +324,80 @@ class Directory:
     # -- engines -------------------------------------------------------------------------
 
     @staticmethod
-    def _engine_key(namespace: str, engine_id: str) -> str:
-        if not isinstance(engine_id, str) or not _ENGINE_ID_RE.match(engine_id):
-            raise StoreKeyError(f"engine_id {engine_id!r} must be 1-128 of [A-Za-z0-9_.:-]")
-        return f"{namespace}/engines/{engine_id}"
+    def _registry_key(namespace: str) -> str:
+        return f"{namespace}/engines"
 
     def register_engine(self, entry: EngineEntry, ttl_seconds: float) -> None:
-        """(Re-)register an engine until ``ttl_seconds`` from now; heartbeat = now."""
+        """(Re-)register an engine until ``ttl_seconds`` from now; heartbeat = now. Entries that
+        expired more than :data:`REGISTRY_GRACE_SECONDS` ago are removed on the way."""
         scope = StoreScope.from_dict(entry.scope)
+        if not isinstance(entry.engine_id, str) or not _ENGINE_ID_RE.match(entry.engine_id):
+            raise StoreKeyError(f"engine_id {entry.engine_id!r} must be 1-128 of [A-Za-z0-9_.:-]")
         if not ttl_seconds > 0 or math.isinf(ttl_seconds):
             raise StoreKeyError(f"engine ttl_seconds must be positive (got {ttl_seconds})")
+        now = time.time()
         data = asdict(entry)
-        data["heartbeat"] = time.time()
+        data["heartbeat"] = now
+        data["expires_at"] = now + ttl_seconds
         try:
             value = json.dumps(data, allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
             raise StoreKeyError(f"engine entry is not JSON-able: {exc}") from exc
-        key = self._engine_key(scope.namespace, entry.engine_id)
-        self._call("register_engine", self._client.set, key, value,
-                   px=max(1, int(ttl_seconds * 1000)))
+        key = self._registry_key(scope.namespace)
+
+        def build(pipe: Any) -> None:
+            pipe.hset(key, entry.engine_id, value)
+            pipe.hgetall(key)
+
+        written, current = self._pipeline("register_engine", build)
+        if isinstance(written, Exception):  # e.g. WRONGTYPE: someone else's key of that name
+            raise DirectoryUnavailable(f"directory register_engine: {written}")
+        stale: list[bytes] = []
+        newest = now + ttl_seconds
+        for field_name, raw in (current.items() if isinstance(current, dict) else ()):
+            other = EngineEntry.from_json(raw)
+            if other is None or other.expires_at < now - REGISTRY_GRACE_SECONDS:
+                stale.append(field_name)
+            else:
+                newest = max(newest, other.expires_at)
+        live = len(current) - len(stale) if isinstance(current, dict) else 1
+        if live > REGISTRY_MAX_ENTRIES:
+            self._call("register_engine", self._client.hdel, key, entry.engine_id)
+            raise StoreKeyError(f"the registry of {scope.namespace!r} holds {live} engines, "
+                                f"more than {REGISTRY_MAX_ENTRIES}")
+
+        def tidy(pipe: Any) -> None:
+            if stale:
+                pipe.hdel(key, *stale)
+            pipe.pexpireat(key, int(newest * 1000) + 1)
+
+        self._pipeline("register_engine", tidy)
+
+    def engines(self, namespace: str) -> list[EngineEntry]:
+        """The registered (not expired) engines of a namespace; malformed entries skipped. One
+        HGETALL of the registry hash."""
+        StoreScope(namespace, "x", "x", 1, 1, 1)  # validates the namespace
+        raw_entries = self._call("engines", self._client.hgetall, self._registry_key(namespace))
+        now = time.time()
+        out: list[EngineEntry] = []
+        for field_name, raw in (raw_entries.items() if isinstance(raw_entries, dict) else ()):
+            entry = EngineEntry.from_json(raw)
+            name = field_name.decode("utf-8", "replace") if isinstance(field_name, bytes) \
+                else str(field_name)
+            if entry is None or name != entry.engine_id \
+                    or entry.scope.get("namespace") != namespace:
+                logger.debug("skipping malformed engine entry %r", name[:80])
+                continue
+            if entry.expires_at <= now:
+                continue
+            out.append(entry)
+        out.sort(key=lambda e: e.engine_id)
+        return out
 
     def _scan(self, what: str, match: str, type_: str | None) -> list[bytes]:
         def run() -> list[bytes]:
             return list(self._client.scan_iter(match=match, count=_SCAN_COUNT, _type=type_))
         return self._call(what, run)
-
-    def engines(self, namespace: str) -> list[EngineEntry]:
-        """The registered (not expired) engines of a namespace; malformed entries skipped."""
-        StoreScope(namespace, "x", "x", 1, 1, 1)  # validates the namespace
-        keys = self._scan("engines", f"{namespace}/engines/*", "string")
-        out: list[EngineEntry] = []
-        for batch in _batches(keys):
-            values = self._call("engines", self._client.mget, list(batch))
-            for key, raw in zip(batch, values, strict=True):
-                if raw is None:
-                    continue  # expired between SCAN and MGET
-                entry = EngineEntry.from_json(raw)
-                expect = f"{namespace}/engines/{entry.engine_id}".encode() if entry else b""
-                if entry is None or key != expect or entry.scope.get("namespace") != namespace:
-                    logger.debug("skipping malformed engine entry %r", key)
-                    continue
-                out.append(entry)
-        out.sort(key=lambda e: e.engine_id)
-        return out
 
     def usage(self, namespace: str) -> tuple[int, int]:
         """(chunks, bytes) recorded in the namespace's directory (SCAN; for reports)."""

@@ -12,6 +12,13 @@ its length is a truncated or corrupt object: it is deleted and read as a miss. T
 the :meth:`StoreScope.chunk_key` of the object, recovered from the ``CacheEngineKey``
 (:func:`engine_key` / :func:`redis_key`), so every key starts with ``<namespace>/``.
 
+Never overwritten: a put is ``SET NX`` (a value already stored under the key is kept: a chunk is
+a function of its key, and a writer must not replace bytes other engines already read). Reads
+are bounded: with ``max_value_bytes`` set (the largest object this store writes) a get reads at
+most that many bytes plus one (GETRANGE, then PEXPIRE for the TTL), so a value planted by
+someone who can write to Redis costs no more memory than a real chunk: an oversized value is a
+counted miss, deleted, and never allocated from LMCache's pool.
+
 Bounded: a semaphore caps concurrent commands (LMCache has no backpressure: without it puts fail
 with "Too many connections"); short socket timeouts plus a circuit breaker keep a dead Redis from
 slowing reads down (after a connection failure, commands fail at once for ``breaker_seconds``).
@@ -59,6 +66,7 @@ CFG_TTL = "turbowire.redis.ttl_seconds"
 CFG_TIMEOUT = "turbowire.redis.socket_timeout_seconds"
 CFG_CONCURRENCY = "turbowire.redis.max_concurrency"
 CFG_BREAKER = "turbowire.redis.breaker_seconds"
+CFG_MAX_VALUE = "turbowire.redis.max_value_bytes"
 
 class RemoteStoreUnavailable(TurboWireError):
     """Redis did not answer (down, timed out, or the circuit breaker is open)."""
@@ -82,9 +90,12 @@ def redis_key(key: CacheEngineKey) -> str:
 
 
 def plugin_extra_config(url: str, *, ttl_seconds: float, socket_timeout_seconds: float,
-                        max_concurrency: int, breaker_seconds: float = 1.0) -> dict[str, Any]:
-    """The ``extra_config`` entries that make LMCache load this connector."""
+                        max_concurrency: int, breaker_seconds: float = 1.0,
+                        max_value_bytes: int = 0) -> dict[str, Any]:
+    """The ``extra_config`` entries that make LMCache load this connector
+    (``max_value_bytes``: the largest Redis value a get reads, 0 = unbounded)."""
     return {
+        CFG_MAX_VALUE: int(max_value_bytes),
         f"remote_storage_plugin.{PLUGIN_NAME}.module_path": __name__,
         f"remote_storage_plugin.{PLUGIN_NAME}.class_name": PLUGIN_CLASS,
         CFG_URL: check_store_url(url),
@@ -122,6 +133,7 @@ class TurboWireRedisConnector(RemoteConnector):
         self.timeout = float(extra.get(CFG_TIMEOUT, 0.5))
         self.breaker_seconds = float(extra.get(CFG_BREAKER, 1.0))
         concurrency = max(1, int(extra.get(CFG_CONCURRENCY, 16)))
+        self.max_value_bytes = max(0, int(extra.get(CFG_MAX_VALUE, 0)))
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self._sem = asyncio.Semaphore(concurrency)
@@ -134,6 +146,8 @@ class TurboWireRedisConnector(RemoteConnector):
             retry=Retry(NoBackoff(), 1), max_connections=concurrency + 2,
         )
         self.corrupt_count = 0
+        self.oversize_count = 0
+        self.kept_existing_count = 0  # puts that found the key already stored (SET NX)
         logger.info("turbowire Redis connector for %s (ttl %d ms)", redact_url(self.url),
                     self.ttl_ms)
 
@@ -181,12 +195,28 @@ class TurboWireRedisConnector(RemoteConnector):
             fut.cancel()
             return False
 
+    async def _get_bounded(self, name: str) -> bytes | None:
+        """At most ``max_value_bytes + 1`` bytes of the value (one pipelined trip, the TTL
+        refreshed with it); None when the key is missing (an empty value is b"": corrupt)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.getrange(name, 0, self.max_value_bytes)
+        if self.ttl_ms:
+            pipe.pexpire(name, self.ttl_ms)  # 1 when the key exists
+        else:
+            pipe.exists(name)
+        value, exists = await pipe.execute()
+        if not exists:
+            return None
+        return bytes(value or b"")
+
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        """The object, or None on a miss, a corrupt value, a full pool or Redis down; a hit
-        refreshes the TTL (GETEX)."""
+        """The object, or None on a miss, a corrupt or oversized value, a full pool or Redis
+        down; a hit refreshes the TTL (GETEX, or PEXPIRE with a bounded read)."""
         name = redis_key(key)
         try:
-            if self.ttl_ms:
+            if self.max_value_bytes:
+                value = await self._run(self._get_bounded, name)
+            elif self.ttl_ms:
                 value = await self._run(self.client.getex, name, px=self.ttl_ms)
             else:
                 value = await self._run(self.client.get, name)
@@ -194,6 +224,12 @@ class TurboWireRedisConnector(RemoteConnector):
             logger.debug("get %s: %s", name, exc)
             return None
         if value is None or self._closed:  # closed: the pool may be gone, do not allocate
+            return None
+        if self.max_value_bytes and len(value) > self.max_value_bytes:
+            self.oversize_count += 1
+            logger.warning("Redis object %s is larger than any chunk this store writes (over %d "
+                           "bytes): dropped, read as a miss", name, self.max_value_bytes)
+            await self._delete_quietly(name)
             return None
         payload = unframe_value(value)
         if payload is None or len(payload) == 0:
@@ -219,15 +255,20 @@ class TurboWireRedisConnector(RemoteConnector):
         return obj
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        """SET with the TTL; raises :class:`RemoteStoreUnavailable` on failure (LMCache's
-        wrapper drops the object's reference either way)."""
+        """SET NX with the TTL (an existing value is kept); raises
+        :class:`RemoteStoreUnavailable` on failure (LMCache's wrapper drops the object's
+        reference either way)."""
         if self._closed:  # the pool may be freed after close(): never read it then
             raise RemoteStoreUnavailable("the connector is closed")
         value = frame_value(memory_obj.byte_array)
+        name = redis_key(key)
         if self.ttl_ms:
-            await self._run(self.client.set, redis_key(key), value, px=self.ttl_ms)
+            written = await self._run(self.client.set, name, value, px=self.ttl_ms, nx=True)
         else:
-            await self._run(self.client.set, redis_key(key), value)
+            written = await self._run(self.client.set, name, value, nx=True)
+        if not written:  # stored already: kept as it is, never overwritten
+            self.kept_existing_count += 1
+            logger.debug("put %s: already stored, kept", name)
 
     async def _delete_quietly(self, name: str) -> None:
         try:

@@ -75,6 +75,9 @@ MAGIC = b"TWC1"
 PUT_TIMEOUT_SECONDS = 30.0  # a tier write that has not finished by then is reported failed
 _CLOSE_STEP_SECONDS = 2.0
 _DISK_NAME_MAX = 250  # file-name bytes; longer keys skip the disk tier
+#: Longest object name (a ``StoreScope.chunk_key``, ~200 bytes at most); longer ones are refused.
+MAX_NAME_BYTES = 512
+_REDIS_VALUE_HEADER = 8  # redis_plugin.HEADER: the u64 length in front of every value
 _LMCACHE_CHUNK = 256  # synthetic metadata: LMCache insists on whole chunks of tokens
 _WINDING_DOWN: set[asyncio.Task[None]] = set()  # keeps the stop tasks of closed stores alive
 
@@ -112,12 +115,22 @@ class StoreSettings:
     socket_timeout_seconds: float = 0.5
     local_disk_bytes: int = 16 << 30  # capacity of the disk tier
     staging_bytes: int = 64 << 20  # staging pool when local_cpu_bytes == 0
+    #: The largest blob this store is given (the engine's first chunk); a Redis value larger
+    #: than its frame is never read whole (a counted miss). 0 = unbounded.
+    max_object_bytes: int = 0
+
+    @property
+    def max_redis_value_bytes(self) -> int:
+        """The largest Redis value a blob of ``max_object_bytes`` becomes (0 = unbounded)."""
+        if not self.max_object_bytes:
+            return 0
+        return _REDIS_VALUE_HEADER + FRAME.size + MAX_NAME_BYTES + self.max_object_bytes
 
     def __post_init__(self) -> None:
         StoreScope(self.namespace, "x", "x", 1, 1, 1)  # validates the namespace
         if self.store_url is not None:
             check_store_url(self.store_url)
-        for name in ("local_cpu_bytes", "local_disk_bytes", "staging_bytes"):
+        for name in ("local_cpu_bytes", "local_disk_bytes", "staging_bytes", "max_object_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise StoreConfigError(f"{name} must be a non-negative integer (got {value!r})")
@@ -194,6 +207,7 @@ class ChunkStore:
                 s.store_url, ttl_seconds=s.ttl_seconds,
                 socket_timeout_seconds=s.socket_timeout_seconds,
                 max_concurrency=s.max_inflight_puts + 8,
+                max_value_bytes=s.max_redis_value_bytes,
             ))
             kwargs["remote_storage_plugins"] = [PLUGIN_NAME]
         if self._use_disk:
@@ -310,7 +324,10 @@ class ChunkStore:
         if scope.namespace != self.settings.namespace:
             raise StoreKeyError(f"scope namespace {scope.namespace!r} is not this store's "
                                 f"({self.settings.namespace!r})")
-        return scope.chunk_key(chunk_hash, rank), engine_key(scope, chunk_hash, rank)
+        name = scope.chunk_key(chunk_hash, rank)
+        if len(name) > MAX_NAME_BYTES:
+            raise StoreKeyError(f"object name of {len(name)} bytes (at most {MAX_NAME_BYTES})")
+        return name, engine_key(scope, chunk_hash, rank)
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -635,6 +652,26 @@ class ChunkStore:
     def _corrupt(self, tier: str, name: bytes) -> None:
         self._count(f"corrupt_{tier}")
         logger.warning("%s object %s failed its integrity check: dropped", tier, name.decode())
+
+    def discard(self, scope: StoreScope, chunk_hash: bytes, rank: int) -> None:
+        """Remove an object from every tier: a reader found it intact in its frame but not the
+        chunk it must be (its blob or layer checks failed), so a later save can replace it
+        (puts never overwrite)."""
+        _, key = self._keys(scope, chunk_hash, rank)
+        if not self._enter():
+            return
+        try:
+            if self._cpu is not None and self._use_cpu:
+                self._cpu.remove(key)
+            if self._disk is not None:
+                self._disk.remove(key)
+            if self._remote is not None:
+                self._remote.remove(key)
+            self._count("discarded")
+        except Exception:  # noqa: BLE001 - best effort: the entry expires anyway
+            logger.exception("discarding %s failed", scope.chunk_key(chunk_hash, rank))
+        finally:
+            self._leave()
 
     def contains_local(self, scope: StoreScope, chunk_hash: bytes, rank: int) -> bool:
         """Whether the CPU or disk tier holds the object (no network I/O)."""

@@ -64,6 +64,7 @@ class FakeDirectory:
     down: bool = False
     lookups: int = 0
     forgotten: list[bytes] = field(default_factory=list)
+    touched: list[bytes] = field(default_factory=list)
 
     def longest_prefix(self, scope, hashes) -> int:
         self.lookups += 1
@@ -79,6 +80,9 @@ class FakeDirectory:
             raise DirectoryUnavailable("redis is down")
         for h, _rank, nbytes in entries:
             self.stored[h] = nbytes
+
+    def touch(self, scope, hashes) -> None:
+        self.touched.extend(hashes)
 
     def forget(self, scope, hashes) -> None:
         self.forgotten.extend(hashes)
@@ -216,6 +220,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self.blobs: dict[tuple[bytes, int], bytes] = {}
         self.lock = threading.Lock()
+        self.discarded: list[bytes] = []
 
     def put(self, scope, chunk_hash, rank, blob, on_done=None) -> bool:
         with self.lock:
@@ -230,6 +235,11 @@ class MemoryStore:
 
     def contains_local(self, scope, chunk_hash, rank) -> bool:
         return (chunk_hash, rank) in self.blobs
+
+    def discard(self, scope, chunk_hash, rank) -> None:
+        with self.lock:
+            self.blobs.pop((chunk_hash, rank), None)
+        self.discarded.append(chunk_hash)
 
     def close(self) -> None:
         pass
@@ -326,6 +336,28 @@ def test_save_then_load_into_other_blocks(preset):
     assert count(stats, "store_lookups", result="hit") == 3
 
 
+def test_only_real_loads_refresh_directory_entries():
+    """Lookups never refresh an entry's TTL (a proxy probing prompts would keep other tenants'
+    chunks alive); the worker does after it loaded them, once per engine (rank 0)."""
+    tokens = list(range(2 * CHUNK))
+    directory = FakeDirectory()
+    directory.stored = dict.fromkeys(chunk_hashes(tokens, CHUNK), 1)
+    p, _ = planner(directory)
+    assert p.lookup(fake_request("r", tokens), 0) == 2 * CHUNK
+    assert directory.touched == []
+    _src, _blocks, store, chunks = saved_chunks("raw", 2)
+    w, _ = worker("raw", make_caches(seed=None), store, directory)
+    w.start_loads([StoreLoad("d", list(range(2 * CHUNK // BS)), 0, chunks)])
+    wait_finished(w, "d")
+    assert directory.touched == [c.chunk_hash for c in chunks]
+
+
+def test_the_redis_read_bound_is_the_largest_blob():
+    _src, _blocks, store, _chunks = saved_chunks("tq4", 2)
+    w, _ = worker("tq4", make_caches(seed=None), store)
+    assert w.max_blob_nbytes() == max(len(b) for b in store.blobs.values())
+
+
 def test_load_after_a_prefix_hit_writes_only_the_tail():
     src, src_blocks, store, chunks = saved_chunks("raw", 2)
     dst = make_caches(seed=7)  # "stale" values everywhere
@@ -376,6 +408,10 @@ def test_bad_chunk_reports_load_errors_from_there_and_is_not_decoded(damage):
     assert directory.forgotten == [bad.chunk_hash]
     assert count(stats, "store_failures", operation="load") == 1
     assert count(stats, "store_lookups", result="miss") == 1
+    # the chunk that loaded is kept alive; one that is there but wrong is removed (puts never
+    # overwrite, so a recomputed save could not replace it otherwise)
+    assert directory.touched == [chunks[0].chunk_hash]
+    assert store.discarded == ([] if damage == "missing" else [bad.chunk_hash])
 
 
 def test_a_failed_load_is_not_offered_again():

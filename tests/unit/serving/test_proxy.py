@@ -1,7 +1,9 @@
 """Proxy logic against fake engines (httpx MockTransport): the two-step P/D flow, NixlConnector
 field names, round robin, request ids, streaming, errors, health and metrics; cache-aware routing
 against a fake store directory (decode only when the whole prompt prefix is stored, P/D on any
-miss or failure)."""
+miss or failure). These tests run the proxy with ``expose_internals`` to read routes and records;
+what clients see by default, the admin token, tenant salts, LoRA and multimodal requests are
+tests/unit/serving/test_proxy_security.py."""
 
 from __future__ import annotations
 
@@ -15,15 +17,27 @@ from turbowire.serving.proxy import (
     ROUTES,
     ProxyConfigError,
     UnsupportedPrompt,
-    build_app,
+    Visibility,
     prefill_body,
     tokenize_request,
 )
+from turbowire.serving.proxy import build_app as _build_app
 from turbowire.store.directory import DirectoryUnavailable, EngineEntry
 from turbowire.store.keys import StoreScope, chunk_hashes
 
 P_URLS = ["http://p0:8100", "http://p1:8100"]
 D_URLS = ["http://d0:8200"]
+EXPOSED = Visibility(expose_internals=True)
+MODELS = {"object": "list", "data": [
+    {"id": "m", "object": "model", "root": "/models/m", "parent": None},
+    {"id": "tiny", "object": "model", "root": "/models/tiny", "parent": None},
+]}
+
+
+def build_app(*args, **kw):
+    """The proxy with its internals shown (route header, records): what these tests read."""
+    kw.setdefault("visibility", EXPOSED)
+    return _build_app(*args, **kw)
 
 
 class FakeEngines:
@@ -35,6 +49,9 @@ class FakeEngines:
         host = request.url.host
         if request.url.path == "/health":
             return httpx.Response(200 if host != "p1" else 500)
+        if request.url.path == "/v1/models":
+            self.calls.append((host, "/v1/models", {}, dict(request.headers)))
+            return httpx.Response(200, json=MODELS)
         body = json.loads(request.content)
         self.calls.append((host, request.url.path, body, dict(request.headers)))
         if host.startswith("p"):
@@ -221,6 +238,9 @@ class StoreEngines(FakeEngines):
     def hosts(self, path: str = "/v1/completions") -> list[str]:
         return [host for host, p, *_ in self.calls if p == path]
 
+    def posts(self) -> list[tuple[str, str]]:
+        return [(h, p) for h, p, *_ in self.calls if p != "/v1/models"]
+
 
 def store_client(engines: FakeEngines, directory: FakeDirectory, **kw) -> TestClient:
     app = build_app(P_URLS, D_URLS, transport=httpx.MockTransport(engines), directory=directory,
@@ -245,12 +265,11 @@ def test_all_chunks_stored_goes_to_decode_only():
         assert r.headers["x-turbowire-route"] == "store_hit"
         assert "x-turbowire-prefill-ms" not in r.headers
         # /tokenize on the decode engine, then the decode engine alone, no kv_transfer_params
-        assert [(h, p) for h, p, *_ in engines.calls] == [("d0", "/tokenize"),
-                                                          ("d0", "/v1/completions")]
-        tok_body = engines.calls[0][2]
-        assert tok_body == {"model": "m", "prompt": "hello " * 9}
-        assert engines.calls[0][3]["x-request-id"] == "hit-1"
-        d_body = engines.calls[1][2]
+        assert engines.posts() == [("d0", "/tokenize"), ("d0", "/v1/completions")]
+        (tok_call,) = [c for c in engines.calls if c[1] == "/tokenize"]
+        assert tok_call[2] == {"model": "m", "prompt": "hello " * 9}
+        assert tok_call[3]["x-request-id"] == "hit-1"
+        d_body = engines.calls[-1][2]
         assert "kv_transfer_params" not in d_body and d_body["max_tokens"] == 5
         scope, hashes = directory.lookups[0]
         assert scope == SCOPE and hashes == chunk_hashes(PROMPT_TOKENS, CHUNK)
