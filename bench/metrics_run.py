@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         p.wait_healthy(300)
         d.wait_healthy(300)
         proxy_port = free_port()
-        px = group.add(start_proxy([p.url], [d.url], proxy_port, args.logs))
+        px = group.add(start_proxy([p.url], [d.url], proxy_port, args.logs,
+                                   ["--expose-internals"]))  # a measurement: show the records
         px.wait_healthy(60)
         targets = {
             "vllm": [p.url[len("http://") :], d.url[len("http://") :]],

@@ -71,7 +71,8 @@ def start(group: ProcessGroup, model: Path, preset: str, k: int, log_dir: Path):
         e.wait_healthy(900)
     proxies = {}
     for label, d in (("plain", plain), ("ngram", sd)):
-        proxies[label] = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
+        proxies[label] = group.add(start_proxy([p.url], [d.url], free_port(), log_dir,
+                                               ["--expose-internals"]))  # load reports
         proxies[label].wait_healthy(120)
     return proxies
 

@@ -94,7 +94,8 @@ def run_pair(connector: str, bind: str, model: Path, args: argparse.Namespace,
             engines.append(group.add(start_engine(spec, log_dir)))
         for e in engines:
             e.wait_healthy(900)
-        proxy = group.add(start_proxy([engines[0].url], [engines[1].url], free_port(), log_dir))
+        proxy = group.add(start_proxy([engines[0].url], [engines[1].url], free_port(), log_dir,
+                                      ["--expose-internals"]))  # load reports
         proxy.wait_healthy(120)
         for i, ids in enumerate(prompts(args.requests, args.prompt_tokens)):
             t0 = time.perf_counter()

@@ -97,10 +97,26 @@ def wait_stored(redis_url: str, scope: StoreScope, prompt: list[int], timeout: f
         directory.close()
 
 
+def registered_scope(redis_url: str, timeout: float = 30) -> StoreScope:
+    """The store scope the engines registered (it carries their weights fingerprint)."""
+    from turbowire.store.directory import Directory
+
+    directory = Directory(redis_url, ttl_seconds=3600)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            entries = directory.engines(NAMESPACE)
+            if entries:
+                return StoreScope.from_dict(entries[0].scope)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no engine registered in namespace {NAMESPACE!r}")
+            time.sleep(0.2)
+    finally:
+        directory.close()
+
+
 def run_preset(model: Path, preset: str, lengths: list[int], repeats: int, redis_url: str,
                log_dir: Path) -> list[dict]:
-    from turbowire.store.keys import model_slug
-
     cfg = turbowire_kv_config(
         "kv_both", preset=preset, transport="store", store_url=redis_url,
         store_namespace=NAMESPACE, store_local_cpu_bytes="512MiB",
@@ -108,7 +124,6 @@ def run_preset(model: Path, preset: str, lengths: list[int], repeats: int, redis
     common = dict(kvcache_gib=2, block_size=128, max_model_len=max(lengths) + 64,
                   max_num_seqs=4, max_num_batched_tokens=max(lengths) + 64,
                   served_model_name="bench")
-    scope = StoreScope(NAMESPACE, model_slug("bench.bfloat16"), preset, 1, CHUNK, 1)
     rows = []
     with ProcessGroup() as group:
         a = group.add(start_engine(EngineSpec(f"store-a-{preset}", model, free_port(), cpu=0,
@@ -117,6 +132,7 @@ def run_preset(model: Path, preset: str, lengths: list[int], repeats: int, redis
                                               kv_transfer_config=cfg, **common), log_dir))
         a.wait_healthy(900)
         b.wait_healthy(900)
+        scope = registered_scope(redis_url)  # what the engines key on (weights fingerprint too)
         warm = prompt_ids(1, 300)  # first requests pay graph/allocator warm-up on both
         ttft(a.url, warm)
         ttft(b.url, prompt_ids(2, 300))

@@ -902,7 +902,8 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "store_chunk_tokens",
         Int(1, 1 << 16, " (a multiple of the KV block size)"),
         "Tokens per stored chunk (a multiple of the block size). Only full chunks are stored; "
-        "a chunk is reused only after the identical prefix.",
+        "a chunk is reused only after the identical prefix "
+        "under the same `cache_salt`, LoRA adapter and images.",
         default=DEFAULT_STORE_CHUNK_TOKENS,
     ),
 )

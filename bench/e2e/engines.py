@@ -192,7 +192,7 @@ class EnginePair:
             # turbowire's own P/D proxy (vLLM toy-proxy flow; per-request records)
             proxy = self._spawn(f"proxy-{self.conn.label}",
                                 proxy_command([self.prefill_url], [self.decode_url],
-                                              self.proxy_port),
+                                              self.proxy_port, ["--expose-internals"]),
                                 dict(os.environ), self.proxy_url,
                                 f"{self.conn.label}-proxy.log", f"proxy ({self.conn.label})")
             proxy.wait_healthy(60.0)

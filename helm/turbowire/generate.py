@@ -333,6 +333,13 @@ def build_schema() -> dict[str, Any]:
                     "replicas": _count(0),
                     "port": PORT,
                     "timeoutSeconds": {"type": "number", "exclusiveMinimum": 0},
+                    "maxConcurrency": _count(1),
+                    "adminTokenSecret": STR,
+                    "tenantSalt": _obj(
+                        {"from": {"type": "string", "pattern": "^$|^api-key$|^header:[A-Za-z0-9-]+$"},
+                         "secretName": STR},
+                        additionalProperties=False,
+                    ),
                     "terminationGracePeriodSeconds": _count(1),
                     "service": _obj(
                         {
@@ -398,7 +405,8 @@ def build_schema() -> dict[str, Any]:
                 additionalProperties=False,
             ),
             "networkPolicy": _obj(
-                {"enabled": BOOL, "httpFrom": LIST, "proxyFrom": LIST},
+                {"enabled": BOOL, "httpFrom": {"type": ["array", "null"]}, "metricsFrom": LIST,
+                 "proxyFrom": LIST},
                 additionalProperties=False,
             ),
             "serviceAccount": _obj(

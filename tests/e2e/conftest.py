@@ -4,6 +4,7 @@ compressed one), under the machine-wide engine lock; everything is stopped by pr
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from turbowire.serving.launch import (  # noqa: E402
     turbowire_kv_config,
 )
 from turbowire.serving.soak import metric_sum, scrape_metrics  # noqa: E402,F401 (tests import them from here)
+
+# proxies of these tests show their routes, records and load reports (hidden by default: the
+# tenancy tests check that default with a proxy of their own)
+os.environ.setdefault("TURBOWIRE_PROXY_EXPOSE_INTERNALS", "1")
 
 BLOCK_SIZE = 32
 VLLM_CPU_DEFAULT_BLOCK_SIZE = 128

@@ -175,11 +175,27 @@ def test_greedy_outputs_equal_the_prefill_engine_alone(spec, k):
     assert rates["repetitive"] > rates["plain"], rates
 
 
+def _scope(redis_url: str, namespace: str):
+    """The store scope the engines of ``namespace`` registered (their weights fingerprint too)."""
+    from turbowire.store.directory import Directory
+    from turbowire.store.keys import StoreScope
+
+    directory = Directory(redis_url, ttl_seconds=600)
+    try:
+        deadline = time.monotonic() + 30
+        while not (entries := directory.engines(namespace)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert entries, f"no engine registered in store namespace {namespace!r}"
+        return StoreScope.from_dict(entries[0].scope)
+    finally:
+        directory.close()
+
+
 def _stored_blob(redis_url: str, namespace: str, tokens: list[int], index: int) -> bytes | None:
-    from turbowire.store.keys import StoreScope, chunk_hashes, model_slug
+    from turbowire.store.keys import chunk_hashes
     from turbowire.store.tiers import ChunkStore, StoreSettings
 
-    scope = StoreScope(namespace, model_slug(f"{MODEL_NAME}.bfloat16"), "raw", 1, CHUNK, 1)
+    scope = _scope(redis_url, namespace)
     store = ChunkStore(StoreSettings(store_url=redis_url, local_cpu_bytes=0, local_disk=None,
                                      ttl_seconds=600, namespace=namespace))
     try:

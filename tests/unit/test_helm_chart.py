@@ -41,6 +41,8 @@ CASES: dict[str, dict[str, Any]] = {"defaults": {}} | {
 #: the defaults with every optional object switched on
 ALL_ON: dict[str, Any] = {
     "redis": {"enabled": True},
+    "proxy": {"adminTokenSecret": "tw-proxy-admin",
+              "tenantSalt": {"from": "header:X-Tenant-Id", "secretName": "tw-tenant-salt"}},
     "monitoring": {
         key: {"enabled": True}
         for key in ("serviceMonitor", "podMonitor", "prometheusRule", "grafanaDashboard")
@@ -1143,3 +1145,52 @@ def test_engine_args_parse_with_vllms_own_parser_and_carry_the_guard(rendered, c
         (container,) = dep["spec"]["template"]["spec"]["containers"]
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(container["args"])
         assert args.middleware == [HTTP_GUARD], container["args"]
+
+
+def _engine_http_from(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """role -> the ``from`` of the ingress rule that opens the engine's API port (None: any);
+    the chart writes it after the side-channel/UCX rule."""
+    out = {}
+    for policy in of_kind(docs, "NetworkPolicy"):
+        role = policy["metadata"]["labels"]["app.kubernetes.io/component"]
+        if role in ("prefill", "decode"):
+            rule = policy["spec"]["ingress"][-1]
+            assert len(rule["ports"]) == 1 and "endPort" not in rule["ports"][0], rule
+            out[role] = rule.get("from")
+    return out
+
+
+def test_engine_api_is_open_to_the_proxy_and_monitoring_only_by_default(chart) -> None:
+    """The engines' API accepts kv_transfer_params: by default only this release's proxy (and
+    the monitoring namespace, for /metrics) reach it; httpFrom replaces that, [] opens it."""
+    proxy = {"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "turbowire", "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "proxy"}}}
+    monitoring = {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}
+    for role, source in _engine_http_from(render(chart, {})).items():
+        assert source == [proxy, monitoring], (role, source)
+    opened = render(chart, {"networkPolicy": {"httpFrom": []}})
+    assert set(_engine_http_from(opened).values()) == {None}
+    own = [{"ipBlock": {"cidr": "10.9.0.0/16"}}]
+    for source in _engine_http_from(render(chart, {"networkPolicy": {"httpFrom": own}})).values():
+        assert source == own
+
+
+def test_proxy_admin_token_and_tenant_salts_come_from_secrets(chart) -> None:
+    docs = render(chart, ALL_ON)
+    proxy = component(docs, "Deployment", "proxy")
+    (container,) = proxy["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert arg_after(args, "--tenant-salt-from") == "header:X-Tenant-Id"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in proxy["spec"]["template"]["spec"]["volumes"]}
+    for flag, secret in (("--admin-token-file", "tw-proxy-admin"),
+                         ("--tenant-salt-secret-file", "tw-tenant-salt")):
+        path = Path(arg_after(args, flag))
+        mount = mounts[str(path.parent)]
+        assert mount["readOnly"] and volumes[mount["name"]]["secret"]["secretName"] == secret
+    plain = component(render(chart, {}), "Deployment", "proxy")
+    assert "--admin-token-file" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    with pytest.raises(Exception, match="tenantSalt.secretName"):
+        render(chart, {"proxy": {"tenantSalt": {"from": "api-key"}}})

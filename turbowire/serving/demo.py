@@ -287,11 +287,12 @@ def _run_demo(
     p_port, d_port, x_port = free_port(), free_port(), free_port()
     side_p, side_d = free_port(), free_port()
     store_cfg: dict[str, object] = {}
-    proxy_args: list[str] = []
+    # the demo shows each request's route and load report: the proxy hides them by default
+    proxy_args: list[str] = ["--expose-internals"]
     if store_url:
         store_cfg = dict(transport="both", store_url=store_url, store_namespace=STORE_NAMESPACE,
                          store_local_cpu_bytes="256MiB")
-        proxy_args = ["--directory", store_url, "--store-namespace", STORE_NAMESPACE]
+        proxy_args += ["--directory", store_url, "--store-namespace", STORE_NAMESPACE]
     common = dict(
         kvcache_gib=1, block_size=32, max_model_len=4096, max_num_seqs=4,
         max_num_batched_tokens=2048, served_model_name="demo",

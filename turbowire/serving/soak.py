@@ -188,7 +188,8 @@ class RequestPlan:
             "temperature": 0.0 if self.greedy else 1.0,
         }
         if self.greedy:
-            body["logprobs"] = 2  # the top-2 per position: tells a near-tie flip from corruption
+            # the top tokens per position: tells a near-tie flip from corruption
+            body["logprobs"] = TOP_LOGPROBS
         else:
             # no per-request "seed": vLLM 0.32's CPU runner crashes the engine when a seeded
             # request is prefilled in chunks (torch's CPU generator has no offset to rewind)
@@ -272,7 +273,7 @@ class RequestOutcome:
     error: str | None = None
     abort_delay_s: float | None = None  # early aborts: the delay the client closed after
     text: str = ""
-    #: greedy requests: the chosen token and the top-2 {token: logprob} of every position
+    #: greedy requests: the chosen token and the top {token: logprob} of every position
     tokens: list[str] = field(default_factory=list)
     top: list[dict[str, float]] = field(default_factory=list)
 
@@ -690,7 +691,8 @@ def start_soak_stack(model: Path, cfg: SoakConfig, log_dir: Path,
         env=dict(cfg.engine_env), **common), log_dir))
     p.wait_healthy(cfg.startup_timeout_s)
     d.wait_healthy(cfg.startup_timeout_s)
-    x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
+    # the soak reads records and load reports, which the proxy hides by default
+    x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir, ["--expose-internals"]))
     x.wait_healthy(120)
     assert p.spec is not None and p.spec.side_channel_port is not None  # moved on a port clash
     return SoakStack(p, d, x, p.spec.side_channel_port)
@@ -703,11 +705,11 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int,
 
 def _greedy(url: str, model: str, prompt: list[int], max_tokens: int, timeout: float = 300,
             logprobs: bool = True) -> RequestOutcome:
-    """One greedy non-streamed completion (with the top-2 logprobs of every position)."""
+    """One greedy non-streamed completion (with the top logprobs of every position)."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                             "temperature": 0.0, "ignore_eos": True}
     if logprobs:
-        body["logprobs"] = 2
+        body["logprobs"] = TOP_LOGPROBS
     r = httpx.post(url + "/v1/completions", timeout=timeout, json=body)
     r.raise_for_status()
     choice = r.json()["choices"][0]
@@ -717,13 +719,19 @@ def _greedy(url: str, model: str, prompt: list[int], max_tokens: int, timeout: f
     return out
 
 
-#: A greedy divergence is a near-tie flip when, at the first differing position, both runs
-#: ranked the same two tokens first and second (swapped) and neither run's margin between them
-#: exceeds this many nats: the size of the logit noise that a different batch composition
+#: A greedy divergence is a near-tie flip when, at the first differing position, each run's
+#: choice is among the other run's top tokens and neither run prefers its own choice over the
+#: other's by more than this many nats: the size of the logit noise that a different batch composition
 #: (another GEMM blocking, another reduction order in bf16) causes. Corrupted KV (a slot read
 #: while another request's chunks sit in it) changes the distribution, not just the order of a
 #: near tie.
 TIE_MARGIN_NATS = 0.5
+#: Logprobs asked per position (vLLM's default cap is 20). Two are not enough: where three or
+#: more tokens tie within a hundredth of a nat (a random tiny model's near-flat distributions
+#: do), the token one run chose can be third in the other's list, and a flip of a near tie
+#: looked like corruption (seen: 'subject' -6.708 vs 'example' -6.728, the other run
+#: 'example' -6.721, '__mul__' -6.725).
+TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -735,6 +743,8 @@ class Divergence:
     margin_other: float | None = None
     load_token: str | None = None
     other_token: str | None = None
+    top_load: dict[str, float] | None = None  # each run's top logprobs at ``position``
+    top_other: dict[str, float] | None = None
 
 
 def divergence(index: int, load: RequestOutcome, other: RequestOutcome) -> Divergence | None:
@@ -752,7 +762,7 @@ def divergence(index: int, load: RequestOutcome, other: RequestOutcome) -> Diver
     m_a = top_a[a] - top_a[b] if flip else None
     m_b = top_b[b] - top_b[a] if flip else None
     flip = flip and max(m_a, m_b) <= TIE_MARGIN_NATS  # type: ignore[type-var]
-    return Divergence(index, pos, flip, m_a, m_b, a, b)
+    return Divergence(index, pos, flip, m_a, m_b, a, b, dict(top_a), dict(top_b))
 
 
 def read_engines(stack: SoakStack, with_pool: bool = True) -> dict[str, EngineReading]:
@@ -774,6 +784,24 @@ def probe_engines(stack: SoakStack, model: str, token: int) -> None:
     its last step; this makes each engine step once."""
     for proc in stack.engines().values():
         _complete(proc.url, model, [token] * 3, 1)
+
+
+def read_probed(stack: SoakStack, model: str, token: int, timeout: float = 15.0,
+                ) -> dict[str, EngineReading]:
+    """Readings after a probe step of each engine, probed again (up to ``timeout``) while the
+    prefill engine's exported gauges still differ from its pool's own answer: the probe's HTTP
+    answer can leave before the frontend has recorded that step's stats, so one scrape may
+    still show the step before. A gauge that never catches up stays visible in the result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        probe_engines(stack, model, token)
+        readings = read_engines(stack)
+        p = readings["prefill"]
+        caught_up = (p.leases == p.pool_leases
+                     and (p.staging_bytes == 0) == (p.pool_used_slots == 0))
+        if caught_up or time.monotonic() > deadline:
+            return readings
+        time.sleep(0.5)
 
 
 def settle(stack: SoakStack, lease_seconds: float) -> float:
@@ -820,8 +848,7 @@ def run_soak(
         report.startup_s = time.monotonic() - t0
         on_message(f"engines and proxy up in {report.startup_s:.0f} s")
         time.sleep(1.0)
-        probe_engines(stack, name, low)
-        report.baseline = read_engines(stack)
+        report.baseline = read_probed(stack, name, low)
         done = [0]
 
         every = max(1, (cfg.requests - cfg.warmup) // 10)
@@ -853,8 +880,7 @@ def run_soak(
         report.settle_s = settle(stack, cfg.lease_seconds)
         report.end_unprobed = read_engines(stack)
         report.trees_after = sample_trees(stack)
-        probe_engines(stack, name, low)
-        report.end = read_engines(stack)
+        report.end = read_probed(stack, name, low)
         px = scrape_metrics(stack.proxy.url)
         report.proxy_in_flight_end = metric_sum(px, PROXY_IN_FLIGHT)
         for eng, proc in stack.engines().items():
@@ -959,12 +985,15 @@ def evaluate(report: SoakReport, cfg: SoakConfig) -> list[Check]:
             flips = sum(1 for d in found if d.tie_flip)
             other = len(found) - flips
             binding = lossless or what.startswith("same")
+            shown = "; ".join(
+                f"request {d.index} at token {d.position}: {d.load_token!r} vs {d.other_token!r}"
+                f" (top {d.top_load} vs {d.top_other})" for d in found if not d.tie_flip)
             checks.append(Check(
                 f"greedy outputs != {what}, not a near-tie flip", other, 0,
                 other == 0 or not binding,
-                "" if binding else f"informational: preset {cfg.preset} is lossy"))
+                ("" if binding else f"informational: preset {cfg.preset} is lossy; ") + shown))
             checks.append(Check(
                 f"greedy outputs != {what}, near-tie flips", flips, len(found), True,
-                f"informational: top-2 swapped, margin <= {TIE_MARGIN_NATS} nats"))
+                f"informational: near ties swapped, margin <= {TIE_MARGIN_NATS} nats"))
     report.checks = checks
     return checks
