@@ -336,8 +336,13 @@ def build_schema() -> dict[str, Any]:
                     "maxConcurrency": _count(1),
                     "adminTokenSecret": STR,
                     "tenantSalt": _obj(
-                        {"from": {"type": "string", "pattern": "^$|^api-key$|^header:[A-Za-z0-9-]+$"},
-                         "secretName": STR},
+                        {
+                            "from": {
+                                "type": "string",
+                                "pattern": "^$|^api-key$|^header:[A-Za-z0-9-]+$",
+                            },
+                            "secretName": STR,
+                        },
                         additionalProperties=False,
                     ),
                     "terminationGracePeriodSeconds": _count(1),

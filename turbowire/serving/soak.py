@@ -721,10 +721,10 @@ def _greedy(url: str, model: str, prompt: list[int], max_tokens: int, timeout: f
 
 #: A greedy divergence is a near-tie flip when, at the first differing position, each run's
 #: choice is among the other run's top tokens and neither run prefers its own choice over the
-#: other's by more than this many nats: the size of the logit noise that a different batch composition
-#: (another GEMM blocking, another reduction order in bf16) causes. Corrupted KV (a slot read
-#: while another request's chunks sit in it) changes the distribution, not just the order of a
-#: near tie.
+#: other's by more than this many nats: the size of the logit noise that a different batch
+#: composition (another GEMM blocking, another reduction order in bf16) causes. Corrupted KV
+#: (a slot read while another request's chunks sit in it) changes the distribution, not just
+#: the order of a near tie.
 TIE_MARGIN_NATS = 0.5
 #: Logprobs asked per position (vLLM's default cap is 20). Two are not enough: where three or
 #: more tokens tie within a hundredth of a nat (a random tiny model's near-flat distributions
