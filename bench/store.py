@@ -66,9 +66,10 @@ def ttft(url: str, prompt: list[int]) -> float:
 def held_bytes(redis_url: str, prompt: list[int]) -> int:
     import redis as redis_py
 
+    from turbowire.store.directory import store_credentials
     from turbowire.store.keys import chunk_hashes
 
-    client = redis_py.Redis.from_url(redis_url)
+    client = redis_py.Redis.from_url(redis_url, **store_credentials(redis_url))
     try:
         total = 0
         for h in chunk_hashes(prompt, CHUNK):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turbowire.errors import TurboWireError
+from turbowire.secret_file import read_secret_file
 
 AUTH_TOKEN_ENV = "TURBOWIRE_AUTH_TOKEN"
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
@@ -43,7 +44,6 @@ DEFAULT_LEASE_MAX_SECONDS = 120.0
 DEFAULT_MAX_PEERS = 64
 MAX_MAX_PEERS = 4096
 MIN_AUTH_TOKEN_CHARS = 8
-MAX_AUTH_TOKEN_FILE_BYTES = 4096
 TRANSPORTS = ("nixl", "store", "both")
 SAVE_SCHEDULES = ("layerwise", "after_forward")
 STORE_URL_SCHEMES = ("redis://", "rediss://")
@@ -552,24 +552,8 @@ REDIS_URL = Text(
 def read_auth_token_file(path: str) -> str | None:
     """The token in ``auth_token_file`` (surrounding whitespace stripped; empty: None). Errors
     name the file, never its content."""
-    key = "auth_token_file"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_AUTH_TOKEN_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConnectorConfigError(
-            f"{key}={path!r} cannot be read ({exc.strerror or type(exc).__name__}): mount the "
-            "Secret holding the token there, readable by the engine's user"
-        ) from exc
-    if len(raw) > MAX_AUTH_TOKEN_FILE_BYTES:
-        raise ConnectorConfigError(
-            f"{key}={path!r} is larger than {MAX_AUTH_TOKEN_FILE_BYTES} bytes: it must hold only "
-            "the token"
-        )
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError as exc:
-        raise ConnectorConfigError(f"{key}={path!r} is not UTF-8 text") from exc
+    text = read_secret_file(path, key="auth_token_file", holds="the token",
+                            error=ConnectorConfigError)
     return text or None
 
 

@@ -372,6 +372,24 @@ def build_schema() -> dict[str, Any]:
                         "pattern": redis_url,
                         "description": "redis://host:port/db of an external Redis",
                     },
+                    "auth": _obj(
+                        {
+                            "enabled": {
+                                **BOOL,
+                                "description": "the Redis requires a password (a Secret, key "
+                                "`password`); engines and proxy get TURBOWIRE_STORE_PASSWORD",
+                            },
+                            "existingSecret": {
+                                "type": "string",
+                                "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$",
+                                "maxLength": 253,
+                                "description": "a Secret with key `password` (also for an "
+                                "external redis.url); empty: the chart creates one",
+                            },
+                        },
+                        required=["enabled"],
+                        additionalProperties=False,
+                    ),
                     "image": {"type": "string", "minLength": 1},
                     "port": PORT,
                     "maxmemory": {

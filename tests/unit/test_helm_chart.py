@@ -78,6 +78,12 @@ CASES["both-external"] = {
     },
     "redis": {"url": "redis://redis.shared-infra.svc:6379/3"},
 }
+#: an external Redis whose password is in the operator's own Secret (redis.auth.existingSecret)
+CASES["store-external-auth"] = {
+    "turbowire": {"transport": "both"},
+    "redis": {"url": "redis://redis.shared-infra.svc:6379/4",
+              "auth": {"existingSecret": "shared-redis-password"}},
+}
 #: side-channel TLS: a kubernetes.io/tls Secret with the CA in another Secret, and a per-pod
 #: certificate from cert-manager's csi-driver (the pod IP as IP SAN, which a shared Secret lacks)
 TLS_DIR = "/etc/turbowire/side-channel-tls"
@@ -642,6 +648,157 @@ def test_redis_open_only_to_the_release(rendered, case: str) -> None:
         assert store["store_url"] == f"redis://{service['metadata']['name']}:{port}"
 
 
+# -- the store's Redis password (issue 33, M6) -----------------------------------------------------
+
+REDIS_AUTH_SECRET = f"{RELEASE}-turbowire-redis-auth"
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = doc["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def env_of(container: dict[str, Any], name: str) -> dict[str, Any] | None:
+    found = [e for e in container.get("env", []) if e["name"] == name]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def secret_ref(container: dict[str, Any], name: str) -> tuple[str, str] | None:
+    """(Secret, key) that env ``name`` comes from; None when unset; fails on a literal value."""
+    entry = env_of(container, name)
+    if entry is None:
+        return None
+    assert "value" not in entry, f"{name} is a literal in the pod spec"
+    ref = entry["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def store_clients(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The main container of every engine and of the proxy (the Redis clients)."""
+    deps = engines(docs) + [component(docs, "Deployment", "proxy")]
+    return [d["spec"]["template"]["spec"]["containers"][0] for d in deps]
+
+
+def assert_clients_take_the_password_from(docs: list[dict[str, Any]], secret: str | None) -> None:
+    for container in store_clients(docs):
+        expected = None if secret is None else (secret, "password")
+        assert secret_ref(container, "TURBOWIRE_STORE_PASSWORD") == expected, container["name"]
+
+
+def redis_password_secrets(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in of_kind(docs, "Secret") if d["metadata"]["name"] == REDIS_AUTH_SECRET]
+
+
+def assert_redis_requires(docs: list[dict[str, Any]], secret: str) -> None:
+    """The chart's Redis starts from a redis.conf an init container builds in memory from the
+    Secret's file, and its probe authenticates through REDISCLI_AUTH from the same Secret."""
+    deployment = component(docs, "Deployment", "redis")
+    pod = deployment["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (redis,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    redis_mounts = {m["name"]: m["mountPath"] for m in redis["volumeMounts"]}
+    auth = [n for n, v in volumes.items() if "secret" in v]
+    (auth_volume,) = auth
+    assert volumes[auth_volume]["secret"]["secretName"] == secret
+    assert [i["key"] for i in volumes[auth_volume]["secret"]["items"]] == ["password"]
+    assert init_mounts[auth_volume] + "/password" in init["command"][-1]
+    assert auth_volume not in redis_mounts  # only the init container reads the Secret's file
+    (conf_volume,) = [n for n in init_mounts if n != auth_volume]
+    assert volumes[conf_volume]["emptyDir"]["medium"] == "Memory"
+    conf = f"{redis_mounts[conf_volume]}/redis.conf"
+    assert f"{init_mounts[conf_volume]}/redis.conf" in init["command"][-1]
+    assert "requirepass" in init["command"][-1]
+    assert redis["args"][0] == conf  # redis-server reads a config file only as its 1st argument
+    assert "--requirepass" not in redis["args"]
+    assert secret_ref(redis, "REDISCLI_AUTH") == (secret, "password")
+    assert redis["readinessProbe"]["exec"]["command"][0] == "redis-cli"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_password_literal_in_any_pod_spec(rendered, case: str) -> None:
+    """Wherever a password exists (the chart's generated Secret), it is in that Secret only: not
+    in a Deployment, not in an argument, not in an env value, not in a store URL."""
+    import base64
+
+    docs = rendered[case]
+    secrets = redis_password_secrets(docs)
+    passwords = [base64.b64decode(s["data"]["password"]).decode() for s in secrets]
+    assert all(len(p) >= 32 for p in passwords)
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            continue
+        text = json.dumps(doc)
+        for password in passwords:
+            assert password not in text, (case, doc["kind"], doc["metadata"]["name"])
+        if doc["kind"] == "Deployment":
+            for container in containers(doc):
+                for name in ("TURBOWIRE_STORE_PASSWORD", "REDISCLI_AUTH"):
+                    secret_ref(container, name)  # from a Secret, never a literal
+                assert not any("requirepass" in a for a in container.get("args", []))
+    for engine in engines(docs):
+        extra = json.loads(arg_after(engine["spec"]["template"]["spec"]["containers"][0]["args"],
+                                     "--kv-transfer-config"))["kv_connector_extra_config"]
+        assert not any("password" in str(k) for k in extra), extra
+        for key in ("store_url", "directory_url"):
+            if key in extra:
+                assert "@" not in extra[key], extra[key]
+
+
+def test_chart_redis_requires_a_password_by_default(rendered) -> None:
+    """redis.enabled alone: a generated Secret, the Redis requires its password, engines and
+    proxy take it by secretKeyRef."""
+    docs = rendered["store-in-chart"]
+    (secret,) = redis_password_secrets(docs)
+    assert set(secret["data"]) == {"password"}
+    assert_redis_requires(docs, REDIS_AUTH_SECRET)
+    assert_clients_take_the_password_from(docs, REDIS_AUTH_SECRET)
+    both = rendered["both-in-chart"]  # another port: the probe and the env are the same
+    assert_redis_requires(both, REDIS_AUTH_SECRET)
+    assert_clients_take_the_password_from(both, REDIS_AUTH_SECRET)
+
+
+def test_existing_secret_is_honoured(chart, rendered) -> None:
+    docs = render(chart, {"turbowire": {"transport": "store"},
+                          "redis": {"enabled": True, "auth": {"existingSecret": "my-redis-pw"}}})
+    assert not redis_password_secrets(docs)  # nothing generated
+    assert_redis_requires(docs, "my-redis-pw")
+    assert_clients_take_the_password_from(docs, "my-redis-pw")
+    # an external Redis: the clients get the operator's Secret, nothing is deployed or created
+    external = rendered["store-external-auth"]
+    assert not redis_password_secrets(external)
+    assert not [d for d in of_kind(external, "Deployment") if d["metadata"]["name"].endswith(
+        "-redis")]
+    assert_clients_take_the_password_from(external, "shared-redis-password")
+    # an external Redis without a Secret: the chart knows no password, the clients get none
+    assert_clients_take_the_password_from(rendered["store-external"], None)
+
+
+def test_auth_disabled_renders_redis_without_a_password(chart) -> None:
+    docs = render(chart, {"turbowire": {"transport": "store"},
+                          "redis": {"enabled": True, "auth": {"enabled": False}}})
+    assert not redis_password_secrets(docs)
+    pod = component(docs, "Deployment", "redis")["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert [v["name"] for v in pod["volumes"]] == ["data"]
+    (redis,) = pod["containers"]
+    assert redis["args"][0] == "--port" and "env" not in redis
+    assert_clients_take_the_password_from(docs, None)
+    # the existing Secret is ignored too when auth is off
+    off = render(chart, {"turbowire": {"transport": "store"},
+                         "redis": {"url": "redis://r:6379", "auth": {"enabled": False,
+                                                                    "existingSecret": "x"}}})
+    assert_clients_take_the_password_from(off, None)
+
+
+def test_transport_nixl_gives_no_client_the_password(chart) -> None:
+    docs = render(chart, {"redis": {"enabled": True}})
+    assert_redis_requires(docs, REDIS_AUTH_SECRET)  # deployed (and locked), but unused
+    assert_clients_take_the_password_from(docs, None)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_monitoring_objects(rendered, case: str) -> None:
     docs = rendered[case]
@@ -1056,8 +1213,9 @@ CHECKOV_JUSTIFIED: dict[str, str] = {
     "CKV_K8S_43": "image.digest is supported and recommended; the default is the chart's tag",
     "CKV_K8S_22": "engines: vLLM, Triton and FlashInfer write JIT caches and compiled kernels "
     "outside /tmp (the proxy and Redis run read-only)",
-    "CKV_K8S_35": "the connector reads the side-channel token from an environment variable "
-    "(auth_token_env); it has no token-file option",
+    "CKV_K8S_35": "the engines read the side-channel token (auth_token_env) and the store's "
+    "Redis password (TURBOWIRE_STORE_PASSWORD) from environment variables, as redis-cli in the "
+    "Redis probe does (REDISCLI_AUTH); redis-server itself reads it from a file",
     "CKV_K8S_18": "values-single-node.yaml only: hostIPC for CUDA IPC between the prefill and "
     "decode pods of one node",
     "CKV_K8S_25": "values-multi-node-rdma.yaml only: IPC_LOCK for RDMA memory registration",
@@ -1115,7 +1273,7 @@ CONTRACT = [
     "turbowire.extraConfig", "turbowire.sideChannel.tls.enabled",
     "turbowire.sideChannel.tls.secretName", "turbowire.sideChannel.tls.caSecretName",
     "turbowire.sideChannel.tls.caKey", "turbowire.sideChannel.tls.volume", "redis.enabled",
-    "redis.url", "redis.maxmemory",
+    "redis.url", "redis.auth.enabled", "redis.auth.existingSecret", "redis.maxmemory",
     "redis.maxmemoryPolicy", "monitoring.serviceMonitor.enabled",
     "monitoring.podMonitor.enabled", "monitoring.prometheusRule.enabled",
     "monitoring.grafanaDashboard.enabled", "networkPolicy.enabled", "image.repository",

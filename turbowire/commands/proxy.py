@@ -63,7 +63,9 @@ def register(app: typer.Typer) -> None:
             "--directory",
             help="Store directory (redis://HOST:PORT, redis://HOST:PORT/DB, rediss://...) of "
             "engines running the store transport: requests whose whole prompt prefix is stored "
-            "skip prefill and go to the decode engine alone. Unset: plain P/D.",
+            "skip prefill and go to the decode engine alone. Unset: plain P/D. A Redis "
+            "password comes from env TURBOWIRE_STORE_PASSWORD_FILE or TURBOWIRE_STORE_PASSWORD "
+            "(never put it in the URL).",
         ),
         store_namespace: str = typer.Option(
             "turbowire",

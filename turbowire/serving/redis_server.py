@@ -47,11 +47,20 @@ def redis_binary() -> str:
     raise RedisServerError("redis-server is not installed (Debian package 'redis-server')")
 
 
-def _ping(port: int, timeout: float = 0.2) -> bool:
-    """A raw RESP PING, so this helper needs no client library."""
+def _resp(*words: bytes) -> bytes:
+    """One RESP command (an array of bulk strings)."""
+    return b"".join([b"*%d\r\n" % len(words)] + [b"$%d\r\n%s\r\n" % (len(w), w) for w in words])
+
+
+def _ping(port: int, timeout: float = 0.2, password: str | None = None) -> bool:
+    """A raw RESP PING (after AUTH with a password), so this helper needs no client library."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            if password is not None:
+                s.sendall(_resp(b"AUTH", password.encode()))
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
+            s.sendall(_resp(b"PING"))
             return s.recv(64).startswith(b"+PONG")
     except OSError:
         return False
@@ -61,8 +70,11 @@ class RedisServer:
     """One redis-server process; ``start()`` after ``stop()``/``kill()`` reuses the same port."""
 
     def __init__(self, port: int | None = None, *, ready_timeout_s: float = 10.0,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), password: str | None = None) -> None:
+        """``password``: the server requires it (``requirepass``, written to a config file in
+        its directory, so it is not in the process's arguments); ``url`` never carries it."""
         self.port = port if port is not None else free_port()
+        self.password = password
         self._may_move = port is None  # a port of its own choosing: a clash picks another, once
         self.ready_timeout_s = ready_timeout_s
         self.extra_args = extra_args
@@ -83,9 +95,16 @@ class RedisServer:
         if self.running:
             return self
         deadline = time.monotonic() + self.ready_timeout_s
+        conf: list[str] = []
+        if self.password is not None:
+            path = self._dir / "auth.conf"
+            escaped = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            path.write_text(f'requirepass "{escaped}"\n')
+            path.chmod(0o600)
+            conf = [str(path)]  # redis-server reads a config file only as its first argument
         while True:
             cmd = [
-                redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                redis_binary(), *conf, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", str(self._dir),
                 "--logfile", str(self._log), "--daemonize", "no", *self.extra_args,
             ]
@@ -94,7 +113,7 @@ class RedisServer:
                 stderr=subprocess.DEVNULL, cwd=self._dir,
             )
             while time.monotonic() < deadline and self._proc.poll() is None:
-                if _ping(self.port):
+                if _ping(self.port, password=self.password):
                     self._may_move = False  # clients hold its URL from now on
                     logger.debug("redis-server up on port %d (pid %d)", self.port, self._proc.pid)
                     return self

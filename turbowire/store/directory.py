@@ -16,6 +16,10 @@ Keys (every one starts with ``<namespace>/``; names hold no ``/``, so shapes nev
   its newest entry. One HGETALL reads it: no SCAN over the keyspace (chunks included);
 * the blobs of :mod:`turbowire.store.tiers` are ``{scope.prefix}/{hash hex}/r<rank>`` (8).
 
+Credentials come from the environment (:func:`store_credentials`: ``TURBOWIRE_STORE_PASSWORD_FILE``
+or ``TURBOWIRE_STORE_PASSWORD``), never from a config vLLM logs; an AUTH refusal is logged once,
+saying what to set, instead of flapping the breaker like an outage.
+
 A dead Redis must not slow a scheduler loop down: socket timeouts are short, and after one
 failure every call raises :class:`DirectoryUnavailable` at once for ``retry_seconds`` (a circuit
 breaker) before the network is tried again. Nothing read is unpickled: values are ints or JSON,
@@ -27,22 +31,25 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from turbowire.errors import TurboWireError
+from turbowire.secret_file import read_secret_file
 from turbowire.store.keys import CHUNK_HASH_BYTES, StoreKeyError, StoreScope
 
 logger = logging.getLogger(__name__)
@@ -94,17 +101,95 @@ def check_store_url(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password (for logs and errors)."""
+    """The URL without its password, in the userinfo or a ``password=`` query parameter (for
+    logs and errors)."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
+        if parts.password is None and "password" not in parse_qs(parts.query):
             return url
-        netloc = parts.netloc.rsplit("@", 1)[-1]
-        user = parts.username or ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+        if parts.password is not None:
+            netloc = parts.netloc.rsplit("@", 1)[-1]
+            parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
+        if "password" in parse_qs(parts.query):
+            query = "&".join("password=***" if q.split("=", 1)[0] == "password" else q
+                             for q in parts.query.split("&"))
+            parts = parts._replace(query=query)
+        return urlunsplit(parts)
     except ValueError:
         return "<unparsable url>"
 
+
+#: The store's Redis password: a file (a mounted Secret) wins over the variable itself.
+STORE_PASSWORD_FILE_ENV = "TURBOWIRE_STORE_PASSWORD_FILE"
+STORE_PASSWORD_ENV = "TURBOWIRE_STORE_PASSWORD"
+#: The Redis ACL user of that password (unset: Redis's ``default`` user).
+STORE_USERNAME_ENV = "TURBOWIRE_STORE_USERNAME"
+#: What an AUTH refusal tells the operator (no password, or the wrong one).
+STORE_AUTH_HINT = (
+    f"set {STORE_PASSWORD_ENV} or {STORE_PASSWORD_FILE_ENV} (a file, e.g. a mounted Secret) to "
+    f"the store's Redis password ({STORE_USERNAME_ENV} for a Redis ACL user)"
+)
+
+
+class StoreCredentialsError(TurboWireError, ValueError):
+    """The store's password file cannot be used; the message names the file, never its content."""
+
+    reason = "bad_params"
+
+
+def _read_password_file(path: str) -> str:
+    """The password in ``path`` (surrounding whitespace stripped); an empty file is an error
+    (a broken mount, not "no password")."""
+    text = read_secret_file(path, key=STORE_PASSWORD_FILE_ENV, holds="the store's Redis password",
+                            error=StoreCredentialsError)
+    if not text:
+        raise StoreCredentialsError(
+            f"{STORE_PASSWORD_FILE_ENV}={path!r} is empty: it must hold the store's Redis password")
+    return text
+
+
+def store_password(env: Mapping[str, str] | None = None) -> str | None:
+    """The store's Redis password from the environment (never from a config or a URL that
+    vLLM or a pod spec would show): ``TURBOWIRE_STORE_PASSWORD_FILE``, else
+    ``TURBOWIRE_STORE_PASSWORD``, else None. Surrounding whitespace is ignored in both (a
+    Secret's trailing newline; the chart's Redis strips it too)."""
+    env = os.environ if env is None else env
+    path = env.get(STORE_PASSWORD_FILE_ENV)
+    if path:
+        return _read_password_file(path)
+    return (env.get(STORE_PASSWORD_ENV) or "").strip() or None
+
+
+def _url_has_password(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.password is not None or "password" in parse_qs(parts.query)
+
+
+def store_credentials(url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``password``/``username`` keywords for redis-py's ``from_url`` from the environment;
+    empty when ``url`` carries its own password (the URL wins) or no password is set."""
+    if _url_has_password(url):
+        return {}
+    env = os.environ if env is None else env
+    password = store_password(env)
+    if password is None:
+        return {}
+    out = {"password": password}
+    username = env.get(STORE_USERNAME_ENV)
+    if username and urlsplit(url).username is None:
+        out["username"] = username
+    return out
+
+
+def is_auth_error(exc: BaseException) -> bool:
+    """True for Redis refusing this client's credentials (NOAUTH, WRONGPASS, AUTH without a
+    configured password): a configuration error, not an outage."""
+    return isinstance(exc, RedisAuthenticationError)
+
+
+def auth_failure_message(url: str, exc: BaseException) -> str:
+    """The one message an AUTH refusal logs (Redis's reply never contains the password)."""
+    return f"Redis {redact_url(url)} refused authentication ({exc}): {STORE_AUTH_HINT}"
 
 
 class DirectoryUnavailable(TurboWireError):
@@ -198,9 +283,10 @@ class Directory:
         self._client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_seconds,
             socket_connect_timeout=socket_timeout_seconds, retry=Retry(NoBackoff(), 0),
-            max_connections=64,
+            max_connections=64, **store_credentials(url),
         )
         self._closed = False
+        self._auth_logged = False
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -217,6 +303,8 @@ class Directory:
                                        f"after {self.retry_seconds:.1f}s)")
         try:
             return fn(*args, **kwargs)
+        except RedisAuthenticationError as exc:
+            raise self._auth_failed(what, exc) from exc
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             with self._lock:
                 first = time.monotonic() >= self._down_until
@@ -228,6 +316,17 @@ class Directory:
         except RedisError as exc:
             raise DirectoryUnavailable(f"directory {what}: {exc}") from exc
 
+    def _auth_failed(self, what: str, exc: BaseException) -> DirectoryUnavailable:
+        """Open the breaker and say what to set, once per directory (not at every retry: the
+        credentials will not fix themselves)."""
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_seconds
+            first, self._auth_logged = not self._auth_logged, True
+        message = auth_failure_message(self.url, exc)
+        if first:
+            logger.error("directory %s: %s", what, message)
+        return DirectoryUnavailable(f"directory {what}: {message}")
+
     def _pipeline(self, what: str, build: Any) -> list[Any]:
         """Run one pipelined round trip; per-command errors come back as exception objects."""
         def run() -> list[Any]:
@@ -237,6 +336,8 @@ class Directory:
 
         results = self._call(what, run)
         for r in results:  # a connection error inside a pipeline is the whole trip's
+            if is_auth_error(r):  # NOAUTH comes back per command
+                raise self._auth_failed(what, r) from r
             if isinstance(r, (RedisConnectionError, RedisTimeoutError)):
                 raise DirectoryUnavailable(f"directory {what}: {r}")
         return results
@@ -436,6 +537,8 @@ class Directory:
 
 
 __all__ = [
-    "Directory", "DirectoryUnavailable", "EngineEntry", "StoreUrlError", "check_store_url",
-    "redact_url",
+    "STORE_PASSWORD_ENV", "STORE_PASSWORD_FILE_ENV", "STORE_USERNAME_ENV", "Directory",
+    "DirectoryUnavailable", "EngineEntry", "StoreCredentialsError", "StoreUrlError",
+    "auth_failure_message", "check_store_url", "is_auth_error", "redact_url", "store_credentials",
+    "store_password",
 ]

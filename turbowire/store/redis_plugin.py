@@ -19,6 +19,10 @@ most that many bytes plus one (GETRANGE, then PEXPIRE for the TTL), so a value p
 someone who can write to Redis costs no more memory than a real chunk: an oversized value is a
 counted miss, deleted, and never allocated from LMCache's pool.
 
+The password comes from the environment (:func:`turbowire.store.directory.store_credentials`),
+never from ``extra_config`` (LMCache and vLLM log it); an AUTH refusal is logged once, naming
+the variables to set.
+
 Bounded: a semaphore caps concurrent commands (LMCache has no backpressure: without it puts fail
 with "Too many connections"); short socket timeouts plus a circuit breaker keep a dead Redis from
 slowing reads down (after a connection failure, commands fail at once for ``breaker_seconds``).
@@ -46,7 +50,14 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from turbowire.errors import TurboWireError
-from turbowire.store.directory import StoreUrlError, check_store_url, redact_url
+from turbowire.store.directory import (
+    StoreUrlError,
+    auth_failure_message,
+    check_store_url,
+    is_auth_error,
+    redact_url,
+    store_credentials,
+)
 from turbowire.store.keys import CHUNK_HASH_BYTES, StoreScope
 
 logger = logging.getLogger(__name__)
@@ -144,7 +155,9 @@ class TurboWireRedisConnector(RemoteConnector):
         self.client = aioredis.Redis.from_url(
             self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
             retry=Retry(NoBackoff(), 1), max_connections=concurrency + 2,
+            **store_credentials(self.url),
         )
+        self._auth_logged = False
         self.corrupt_count = 0
         self.oversize_count = 0
         self.kept_existing_count = 0  # puts that found the key already stored (SET NX)
@@ -161,6 +174,11 @@ class TurboWireRedisConnector(RemoteConnector):
     def _trip(self, exc: BaseException) -> None:
         was_open = time.monotonic() < self._open_until
         self._open_until = time.monotonic() + self.breaker_seconds
+        if is_auth_error(exc):  # wrong or missing password: say what to set, once
+            if not self._auth_logged:
+                self._auth_logged = True
+                logger.error("%s", auth_failure_message(self.url, exc))
+            return
         if not was_open:
             logger.warning("Redis %s unavailable (%s: %s); failing fast for %.1fs",
                            redact_url(self.url), type(exc).__name__, exc, self.breaker_seconds)
@@ -175,6 +193,8 @@ class TurboWireRedisConnector(RemoteConnector):
                 return await asyncio.wait_for(fn(*args, **kwargs), timeout=4 * self.timeout + 1)
         except (RedisConnectionError, RedisTimeoutError, asyncio.TimeoutError, OSError) as exc:
             self._trip(exc)
+            if is_auth_error(exc):  # the hint is logged once by _trip; LMCache logs this one
+                raise RemoteStoreUnavailable("Redis refused authentication") from exc
             raise RemoteStoreUnavailable(f"Redis unavailable: {type(exc).__name__}") from exc
         except RedisError as exc:
             raise RemoteStoreUnavailable(f"Redis error: {exc}") from exc

@@ -114,6 +114,7 @@ spec:
                 secretKeyRef:
                   name: {{ include "turbowire.authSecretName" $root }}
                   key: {{ $v.turbowire.authToken.secretKey }}
+            {{- include "turbowire.storePasswordEnv" $root | nindent 12 }}
             {{- with $v.model.hfTokenSecret.name }}
             - name: HF_TOKEN
               valueFrom:

@@ -116,6 +116,33 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/*
+The Secret holding the store's Redis password (key `password`); "" when the clients get none:
+redis.auth.enabled off, or an external redis.url without redis.auth.existingSecret.
+*/}}
+{{- define "turbowire.redisAuthSecretName" -}}
+{{- $auth := .Values.redis.auth | default dict -}}
+{{- if $auth.enabled -}}
+{{- if $auth.existingSecret -}}
+{{- $auth.existingSecret -}}
+{{- else if .Values.redis.enabled -}}
+{{- printf "%s-redis-auth" (include "turbowire.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The env entry of the store's password (engines and proxy, transport store/both), if any. */}}
+{{- define "turbowire.storePasswordEnv" -}}
+{{- $secret := include "turbowire.redisAuthSecretName" . -}}
+{{- if and (include "turbowire.usesStore" .) $secret }}
+- name: TURBOWIRE_STORE_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: password
+{{- end }}
+{{- end -}}
+
 {{/* "true" when turbowire.transport uses the store (store or both), else "". */}}
 {{- define "turbowire.usesStore" -}}
 {{- if has .Values.turbowire.transport (list "store" "both") -}}true{{- end -}}
