@@ -29,8 +29,6 @@ other reasons, and ``dl`` does not start (``prefill_peers`` is unknown there).
 from __future__ import annotations
 
 import itertools
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +37,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import BLOCK_SIZE, MODEL_NAME, metric_sum, scrape_metrics
+from support.blackhole import BlackHole
 from test_connector_e2e_raw import prompt_ids
 
 from turbowire.connector.params import prompt_digest
@@ -200,30 +199,6 @@ def pairs(tiny_model, engine_slot, tmp_path_factory) -> Iterator[Pairs]:
             engine.proc.stop()
 
 
-class Decoy:
-    """A listener the test owns on another port: records every connection, never answers (what
-    params redirected to an attacker's host would reach)."""
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def close(self) -> None:
-        self._listener.close()
-        for conn in self.accepted:
-            conn.close()
-
-
 def _expect_refused(p: Pairs, decode: str, prompt: list[int], kv: dict, reason: str) -> None:
     """The decode engine answers ``prompt`` exactly as the prompt alone, loads nothing from the
     params and counts one failure, ``reason``."""
@@ -312,7 +287,7 @@ def test_params_naming_a_decoy_are_refused_without_connecting_to_it(pairs, prefi
                                                                     reason):
     prompt = fresh_prompt()
     kv = pairs.prefill(prefill, prompt)
-    decoy = Decoy()
+    decoy = BlackHole()
     try:
         forged = {**kv, "remote_host": "127.0.0.1", "remote_port": decoy.port}
         _expect_refused(pairs, decode, prompt, forged, reason)

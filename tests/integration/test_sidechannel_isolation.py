@@ -6,13 +6,13 @@ per-peer state capped (clients, lanes)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import connector_peer as peer  # tests/integration is on sys.path (pytest rootdir insertion)
 import numpy as np
 import pytest
+from support.blackhole import BlackHole
 
 from turbowire.codec import Codec
 from turbowire.connector.config import TurboWireConfig
@@ -34,29 +34,6 @@ GEO = peer.GEOMETRY
 CODEC = Codec("raw", 64, GEO.num_layers)
 LAYOUT = StagingLayout.build(GEO, CODEC.encoded_nbytes, 1 << 20)
 PROMPT = list(range(7, 7 + 40))
-
-
-class BlackHole:
-    """Accepts TCP connections and never sends a byte."""
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def close(self) -> None:
-        self._listener.close()
-        for conn in self.accepted:
-            conn.close()
 
 
 class Done:

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from support.blackhole import BlackHole
 from support.pki import CA, ENGINE_EKU, LOOPBACK_SANS
 
 from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
@@ -536,29 +537,6 @@ def test_the_server_accepts_messages_up_to_the_bound(pki: Pki, tls_server: Serve
 # -- (g) deadlines ---------------------------------------------------------------------------------
 
 
-class _BlackHole:
-    """Accepts TCP connections and never sends a byte (a hung peer, a half-open firewall)."""
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def close(self) -> None:
-        self._listener.close()
-        for conn in self.accepted:
-            conn.close()
-
-
 CALLS = {
     "Handshake": lambda c: c.handshake(peer.record(), "D", 0),
     "ReleaseLease": lambda c: c.release(["x"]),
@@ -576,7 +554,7 @@ def test_every_rpc_of_the_service_is_covered() -> None:
 def test_every_call_times_out_against_a_peer_that_never_answers(
     pki: Pki, rpc: str, secure: bool
 ) -> None:
-    hole = _BlackHole()
+    hole = BlackHole()
     try:
         c = client(hole.port, pki.tls(pki.client, pki.ca) if secure else None, timeout=SHORT)
         start = time.monotonic()
