@@ -38,7 +38,13 @@ DEFAULT_SIDE_CHANNEL_PORT = 5700
 DEFAULT_DECODE_PIPELINE_GROUPS = 8
 MAX_DECODE_PIPELINE_GROUPS = 256
 DEFAULT_NIXL_PROGRESS_DELAY_US = 100
+#: The lease's bounds and default: the config enforces them and the decode side's params parser
+#: (params.py) accepts what they allow, so a lease one engine may configure the other accepts.
 MIN_LEASE_SECONDS = 1.0
+MAX_LEASE_SECONDS = 86400.0
+DEFAULT_LEASE_SECONDS = 30.0
+#: A lease token (``secrets`` hex) as the params and the side channel accept it.
+MAX_LEASE_TOKEN_CHARS = 128
 DEFAULT_CLAIM_TIMEOUT_SECONDS = 10.0
 DEFAULT_LEASE_MAX_SECONDS = 120.0
 DEFAULT_MAX_PEERS = 64
@@ -162,9 +168,10 @@ def _number(key: str, raw: Any, convert: Any, accepted: tuple[type, ...], what: 
 
 @dataclass(frozen=True)
 class Seconds(ValueKind):
-    """A duration in seconds with a lower bound."""
+    """A finite duration in seconds with a lower and an optional upper bound."""
 
     minimum: float
+    maximum: float = math.inf
 
     def parse(self, key: str, raw: Any) -> float:
         number = _number(key, raw, float, (int, float, str), "a number of seconds")
@@ -174,10 +181,26 @@ class Seconds(ValueKind):
     def check(self, key: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise ConnectorConfigError(f"{key} must be a number of seconds (got {value!r})")
+        if not math.isfinite(value):
+            raise ConnectorConfigError(
+                f"{key}={value} is not a finite number of seconds: use {self.describe_range()}"
+            )
         if value < self.minimum:
             raise ConnectorConfigError(f"{key}={value} is too small: use at least {self.minimum}")
+        if value > self.maximum:
+            raise ConnectorConfigError(
+                f"{key}={value} is too large: use at most {self.maximum:g}"
+            )
+
+    def describe_range(self) -> str:
+        """The allowed values in words (errors)."""
+        if math.isfinite(self.maximum):
+            return f"{self.minimum:g}..{self.maximum:g}"
+        return f"at least {self.minimum:g}"
 
     def describe(self) -> str:
+        if math.isfinite(self.maximum):
+            return f"seconds `{self.minimum:g}`..`{self.maximum:g}`"
         return f"seconds >= `{self.minimum:g}`"
 
     def show(self, value: Any) -> str:
@@ -597,12 +620,13 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ),
     ConfigKey(
         "lease_seconds",
-        Seconds(MIN_LEASE_SECONDS),
+        Seconds(MIN_LEASE_SECONDS, MAX_LEASE_SECONDS),
         "How long the prefill engine keeps a finished request's compressed KV for the decode "
         "engine. The decode engine heartbeats while a request waits and claims the lease before "
         "reading; an unread lease expires, its slots are freed and `reason=\"lease_expired\"` is "
-        "counted.",
-        default=30.0,
+        "counted. The params carry it to the decode engine, which retries its handshake and "
+        "claim within it.",
+        default=DEFAULT_LEASE_SECONDS,
     ),
     ConfigKey(
         "claim_timeout_seconds",

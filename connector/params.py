@@ -40,19 +40,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from turbowire.connector.config import (
+    DEFAULT_LEASE_SECONDS,
+    MAX_LEASE_SECONDS,
+    MAX_LEASE_TOKEN_CHARS,
+)
 from turbowire.connector.geometry import blocks_for_tokens
 from turbowire.errors import TurboWireError
 
 MAX_TOKENS = 1 << 24
 MAX_BLOCKS = 1 << 20
-MAX_LEASE_SECONDS = 86400.0
 MAX_ID_CHARS = 512  # engine and request ids, hosts, presets, hashes
-DEFAULT_LEASE_SECONDS = 30.0
 #: Transfer format from which prefill engines issue ``turbowire_lease_token`` (compat.py's
 #: FORMAT_VERSION; older peers send none and are refused as incompatible).
 LEASE_TOKEN_FORMAT = 2
 LEASE_TOKEN_BYTES = 16  # 128 bits from ``secrets``: 32 hex characters
-MAX_LEASE_TOKEN_CHARS = 128
 _LEASE_TOKEN_RE = re.compile(r"[0-9a-f]{32,128}")
 #: The params' MAC field (HMAC-SHA256, 64 lowercase hex characters).
 PARAMS_MAC_FIELD = "turbowire_params_mac"

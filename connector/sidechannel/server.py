@@ -39,6 +39,7 @@ import grpc
 from turbowire.connector.compat import CompatibilityRecord
 from turbowire.connector.config import (
     CONFIG_KEYS_BY_NAME,
+    MAX_LEASE_TOKEN_CHARS,
     ConnectorConfigError,
     TurboWireConfig,
     check_side_channel_tls,
@@ -58,7 +59,6 @@ logger = logging.getLogger(__name__)
 AUTH_HEADER = "authorization"
 FIELD_TRAILER = "turbowire-field"
 MAX_IDS_PER_CALL = 4096
-MAX_LEASE_TOKEN_CHARS = 128
 MAX_PROMPT_DIGEST_CHARS = 64
 MAX_MESSAGE_BYTES = 32 << 20  # replies (handshake: NIXL metadata); what a client accepts
 MAX_REQUEST_BYTES = 1 << 20  # requests: what the server accepts, what a client sends

@@ -53,6 +53,7 @@ from typing import Any
 
 import httpx
 
+from turbowire.connector.config import MAX_LEASE_SECONDS, MIN_LEASE_SECONDS
 from turbowire.serving.launch import (
     EngineSpec,
     ManagedProcess,
@@ -153,8 +154,11 @@ class SoakConfig:
             raise ValueError("concurrency must be >= 1")
         if not 0.0 <= self.abort_fraction < 1.0:
             raise ValueError("abort_fraction must be in [0, 1)")
-        if self.lease_seconds < 1.0:
-            raise ValueError("lease_seconds must be >= 1 (the connector's minimum)")
+        if not MIN_LEASE_SECONDS <= self.lease_seconds <= MAX_LEASE_SECONDS:
+            raise ValueError(
+                f"lease_seconds must be >= {MIN_LEASE_SECONDS:g} and <= {MAX_LEASE_SECONDS:g} "
+                "(the connector's bounds)"
+            )
         if self.max_prompt_tokens < self.min_prompt_tokens:
             raise ValueError("max_model_len leaves no room for prompts")
 
