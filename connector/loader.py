@@ -44,9 +44,8 @@ from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout
 from turbowire.connector.metadata import LoadReport, LoadRequest, PeerAddress
 from turbowire.connector.sidechannel.client import PeerTimeoutError
-from turbowire.connector.spec import TRANSPORT
 from turbowire.connector.staging import ByteRanges
-from turbowire.connector.stats import TurboWireConnectorStats
+from turbowire.connector.stats import P2P_LABEL, TurboWireConnectorStats
 from turbowire.connector.transports.base import Transfer, TransferState, Transport, TransportError
 from turbowire.errors import TurboWireError, failure_reason
 
@@ -481,7 +480,7 @@ class KVLoader:
         self._peers[peer.key] = state
         self._evict_peers()
         self.stats.observe(
-            "handshake_seconds", elapsed, transport=TRANSPORT, preset=self.config.preset
+            "handshake_seconds", elapsed, transport=P2P_LABEL, preset=self.config.preset
         )
         job.handshake_seconds = elapsed
         logger.info(
@@ -559,7 +558,7 @@ class KVLoader:
         ``transfer_timeout_seconds``). A prefill engine starved of CPU answers late, not never
         (bench/RESULTS.md "Starved CPUs"); a hung one fails the load once that window has
         passed, as ``peer_unreachable``."""
-        window = min(self.config.lease_seconds, self.config.transfer_timeout_seconds)
+        window = min(job.load.lease_seconds, self.config.transfer_timeout_seconds)
         if time.monotonic() + self.config.handshake_timeout_seconds > job.created + window:
             return False
         logger.warning(
@@ -751,12 +750,12 @@ class KVLoader:
         completed, self._completed = self._completed, []
         for load, rep in completed:
             self._release_async(load)
-            self.stats.record_recv(TRANSPORT, load.preset, rep.dense_bytes, rep.wire_bytes)
+            self.stats.record_recv(P2P_LABEL, load.preset, rep.dense_bytes, rep.wire_bytes)
             self.stats.observe(
-                "transfer_seconds", rep.transfer_seconds, transport=TRANSPORT, preset=load.preset
+                "transfer_seconds", rep.transfer_seconds, transport=P2P_LABEL, preset=load.preset
             )
             self.stats.observe(
-                "decode_seconds", rep.decode_seconds, transport=TRANSPORT, preset=load.preset
+                "decode_seconds", rep.decode_seconds, transport=P2P_LABEL, preset=load.preset
             )
             logger.debug(
                 "loaded %s: %d tokens, %d wire B (%.2fx), wait %.1f ms, transfer %.1f ms, "

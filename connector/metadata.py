@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from turbowire.connector.config import DEFAULT_LEASE_SECONDS
+
 
 @dataclass
 class SaveBlock:
@@ -81,6 +83,9 @@ class LoadRequest:
     preset: str
     block_ids: list[int] = field(default_factory=list)  # local block of request block i
     lease_token: str = field(default="", repr=False, kw_only=True)
+    # the prefill engine's lease (``turbowire_lease_seconds`` of the params, not this engine's
+    # config): the handshake and the claim are retried only while that lease may still hold
+    lease_seconds: float = field(default=DEFAULT_LEASE_SECONDS, kw_only=True)
     # this engine's own prompt, presented with the claim: the prefill engine refuses a lease
     # staged for another prompt (digest of the first ``prompt_tokens`` tokens; "": none)
     prompt_digest: str = field(default="", kw_only=True)

@@ -43,9 +43,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from turbowire.connector.config import DEFAULT_PRESET
+from turbowire.connector.config import DEFAULT_PRESET, ConnectorConfigError, TurboWireConfig
 from turbowire.connector.stats import (
     DIRECTIONS,
+    P2P_LABEL,
     TurboWireConnectorStats,
     iter_counters,
     iter_gauges,
@@ -62,8 +63,6 @@ from turbowire.metrics_catalog import (
 
 logger = logging.getLogger(__name__)
 
-#: The transport whose series are created at start (the P2P path; others appear on first use).
-DEFAULT_TRANSPORT = "nixl"
 _LABEL_OK = re.compile(r"^[A-Za-z0-9_.:+\-]{1,64}$")
 
 _ROLE_BY_KV_ROLE = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
@@ -77,11 +76,17 @@ def role_label(vllm_config: VllmConfig) -> str:
 
 
 def configured_preset(vllm_config: VllmConfig) -> str:
-    """The codec preset named in ``kv_connector_extra_config`` (the connector's default if not)."""
+    """The preset of the validated connector config (this runs in the frontend process, which
+    builds no connector: the config is validated here the same way the engine validates it). A
+    config the engine refuses labels nothing the engine sends, so the default stands in."""
     cfg = vllm_config.kv_transfer_config
-    extra = (getattr(cfg, "kv_connector_extra_config", None) or {}) if cfg is not None else {}
-    preset = extra.get("preset", DEFAULT_PRESET)
-    return preset if isinstance(preset, str) and _LABEL_OK.match(preset) else DEFAULT_PRESET
+    extra = getattr(cfg, "kv_connector_extra_config", None) if cfg is not None else None
+    try:
+        preset = TurboWireConfig.from_extra_config(extra).preset
+    except ConnectorConfigError as exc:
+        logger.debug("metrics use the default preset label: %s", exc)
+        return DEFAULT_PRESET
+    return preset if _LABEL_OK.match(preset) else DEFAULT_PRESET
 
 
 def _unregister_previous(names: list[str]) -> None:
@@ -127,7 +132,7 @@ class TurboWirePromMetrics(KVConnectorPromMetrics):
                 self._child(name, engine_idx, ())
             for direction in directions:
                 for name in ("dense_bytes", "wire_bytes", "transfers"):
-                    self._child(name, engine_idx, (direction, DEFAULT_TRANSPORT, preset))
+                    self._child(name, engine_idx, (direction, P2P_LABEL, preset))
 
     def _make_family(self, spec: MetricSpec, labelnames: list[str]) -> Any:
         names = labelnames + [ROLE_LABEL, *spec.labels]

@@ -959,7 +959,8 @@ def _load_request(
     this engine's prompt for the claim."""
     return LoadRequest(
         req_id, remote.request_id, peer, blocks, remote.preset, block_ids or [],
-        lease_token=remote.lease_token or "", prompt_digest=prompt[0], prompt_tokens=prompt[1],
+        lease_token=remote.lease_token or "", lease_seconds=remote.lease_seconds,
+        prompt_digest=prompt[0], prompt_tokens=prompt[1],
     )
 
 

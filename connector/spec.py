@@ -29,9 +29,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-TRANSPORT = "nixl"  # the metric label of the peer-to-peer path
-STORE_TRANSPORT = "store"  # the metric label of the store path
-
 
 @dataclass(frozen=True)
 class EngineSetup:

@@ -58,6 +58,10 @@ HISTOGRAMS: tuple[str, ...] = (
     "store_save_seconds",
     "store_load_seconds",
 )
+#: The ``transport`` label value of each path (the label users see; the config key that picks
+#: the paths is also named ``transport``): the peer-to-peer NIXL path and the store path.
+P2P_LABEL = "nixl"
+STORE_LABEL = "store"
 #: Labels a histogram observation may carry; missing ones are exported as "".
 HISTOGRAM_LABELS: tuple[str, ...] = ("transport", "preset")
 

@@ -28,8 +28,7 @@ import torch
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, blocks_for_tokens
 from turbowire.connector.metadata import LoadReport, StoreChunk, StoreLoad, StoreSave
-from turbowire.connector.spec import STORE_TRANSPORT
-from turbowire.connector.stats import TurboWireConnectorStats
+from turbowire.connector.stats import STORE_LABEL, TurboWireConnectorStats
 from turbowire.errors import TurboWireError, failure_reason
 from turbowire.store.blob import BlobHeader, check_expected, header_nbytes, parse_header
 from turbowire.store.keys import StoreScope, chunk_tag
@@ -284,7 +283,7 @@ class StoreWorker:
                 return
             self.stats.record_stored(nbytes)
             self.stats.observe("store_save_seconds", time.perf_counter() - t0,
-                               transport=STORE_TRANSPORT, preset=self.config.preset)
+                               transport=STORE_LABEL, preset=self.config.preset)
             with self._lock:
                 key = chunk.chunk_hash.hex()
                 self._stored[key] = self._stored.get(key, 0) + 1
@@ -296,7 +295,7 @@ class StoreWorker:
 
         if not self.store.put(self.scope, chunk.chunk_hash, self.rank, data, on_done=done):
             self.stats.record_store_failure("save", "store_full")
-        self.stats.observe("encode_seconds", encode_s, transport=STORE_TRANSPORT,
+        self.stats.observe("encode_seconds", encode_s, transport=STORE_LABEL,
                            preset=self.config.preset)
 
     # ------------------------------------------------------------------ load
@@ -358,12 +357,12 @@ class StoreWorker:
         if used:
             self._touch(used)
         if failed_at is None:
-            self.stats.record_recv(STORE_TRANSPORT, self.config.preset, report.dense_bytes,
+            self.stats.record_recv(STORE_LABEL, self.config.preset, report.dense_bytes,
                                    report.wire_bytes)
             self.stats.observe("store_load_seconds", report.transfer_seconds,
-                               transport=STORE_TRANSPORT, preset=self.config.preset)
+                               transport=STORE_LABEL, preset=self.config.preset)
             self.stats.observe("decode_seconds", report.decode_seconds,
-                               transport=STORE_TRANSPORT, preset=self.config.preset)
+                               transport=STORE_LABEL, preset=self.config.preset)
         with self._lock:
             if failed_at is not None:
                 bad_from = max(load.first_token, load.chunks[failed_at].token_start)

@@ -35,9 +35,9 @@ from turbowire.connector.metadata import (
     TurboWireWorkerMeta,
 )
 from turbowire.connector.sidechannel.client import PeerExecutors
-from turbowire.connector.spec import TRANSPORT, EngineSetup
+from turbowire.connector.spec import EngineSetup
 from turbowire.connector.staging import ByteRanges
-from turbowire.connector.stats import TurboWireConnectorStats
+from turbowire.connector.stats import P2P_LABEL, TurboWireConnectorStats
 from turbowire.connector.transports import Transport, make_transport
 
 if TYPE_CHECKING:
@@ -226,9 +226,9 @@ class TurboWireWorker:
                     self.chunk_nbytes(layer, block.num_tokens, block.index)
                     for layer in range(self.geometry.num_layers)
                 )
-        self.stats.record_send(TRANSPORT, self.config.preset, dense, wire)
+        self.stats.record_send(P2P_LABEL, self.config.preset, dense, wire)
         self.stats.observe(
-            "encode_seconds", self._step_encode_seconds, transport=TRANSPORT,
+            "encode_seconds", self._step_encode_seconds, transport=P2P_LABEL,
             preset=self.config.preset,
         )
         self._step_encode_seconds = 0.0
@@ -245,10 +245,10 @@ class TurboWireWorker:
         sizes come from the plan, encode times from CUDA events once they have completed."""
         assert self.gpu is not None and self.caches is not None
         tokens, wire = self.gpu.finish(meta)
-        self.stats.record_send(TRANSPORT, self.config.preset,
+        self.stats.record_send(P2P_LABEL, self.config.preset,
                                tokens * self.caches.dense_bytes_per_token(), wire)
         for seconds in self.gpu.encode_seconds():
-            self.stats.observe("encode_seconds", seconds, transport=TRANSPORT,
+            self.stats.observe("encode_seconds", seconds, transport=P2P_LABEL,
                                preset=self.config.preset)
         self._saved_layers.clear()
 
