@@ -18,11 +18,9 @@ from turbowire.codec.presets import Preset, get_preset, list_presets
 from turbowire.codec.streams import StreamSpec
 from turbowire.codec.wire import FORMAT_VERSION, HEADER_BYTES, ChunkHeader, parse_header
 
-read_header = parse_header
-
 __all__ = [
     "Codec", "ChunkLayout", "EncodedChunk", "ChunkHeader", "StreamSpec", "Preset",
-    "list_presets", "get_preset", "read_header", "parse_header", "FORMAT_VERSION", "HEADER_BYTES",
+    "list_presets", "get_preset", "parse_header", "FORMAT_VERSION", "HEADER_BYTES",
     "SUPPORTED_HEAD_DIMS", "CodecError", "FormatError", "ChecksumError", "TruncatedPayloadError",
     "UnsupportedVersionError", "IncompatiblePayloadError", "GeometryError", "UnknownPresetError",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -177,13 +177,6 @@ class StagingLayout:
         if not 0 <= layer < len(self.layer_offsets):
             raise IndexError(f"layer {layer} out of range [0, {len(self.layer_offsets)})")
         return slot * self.slot_bytes + self.layer_offsets[layer]
-
-    def check_slots(self, slots: Sequence[int]) -> None:
-        bad = [s for s in slots if not isinstance(s, int) or not 0 <= s < self.num_slots]
-        if bad:
-            raise IndexError(
-                f"staging slots {bad[:5]} out of range [0, {self.num_slots}) of the prefill peer"
-            )
 
 
 def block_tag(request_id: str, block_index: int) -> int:

@@ -1,5 +1,10 @@
-"""Transports move staged bytes between engines: one small interface (``base.Transport``), an
-implementation per path (NIXL peer to peer today), and one factory the worker calls."""
+"""The NIXL byte mover of the peer-to-peer path: registers staging memory and READs a prefill
+engine's staged chunks into this engine's receive buffer (``nixl.NixlTransport``), behind a
+small interface (``base.Transport``) that tests replace with an in-process fake.
+
+Not the ``transport`` config key (which paths an engine uses: ``nixl``, ``store``, ``both``)
+nor the ``transport`` metric label (``stats.P2P_LABEL``, ``stats.STORE_LABEL``): the store path
+moves its bytes through LMCache's tiers (``turbowire.store``), not through this package."""
 
 from __future__ import annotations
 

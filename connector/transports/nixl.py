@@ -203,9 +203,6 @@ class NixlTransport:
             xfer._state = TransferState.DONE
         return xfer
 
-    def notifications(self) -> dict[str, list[bytes]]:
-        return self.agent.get_new_notifs()
-
     def close(self) -> None:
         for peer in list(self._peers.values()):
             self.remove_peer(peer)

@@ -15,7 +15,7 @@ from turbowire.codec import (
     UnknownPresetError,
     UnsupportedVersionError,
     list_presets,
-    read_header,
+    parse_header,
 )
 from turbowire.codec.codebooks import GAUSSIAN_LLOYD_MAX_MSE
 from turbowire.codec.wire import HEADER_BYTES
@@ -150,7 +150,7 @@ def test_foreign_bytes_and_versions(chunk) -> None:
         codec.decode(1, bytes(range(256)) * 4)
     from turbowire.codec.wire import ChunkHeader
 
-    header = read_header(data)
+    header = parse_header(data)
     future = ChunkHeader(**{**header.__dict__, "version": 9}).pack()
     with pytest.raises(UnsupportedVersionError):
         codec.decode(1, future + data[HEADER_BYTES:])

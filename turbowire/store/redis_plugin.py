@@ -2,8 +2,8 @@
 
 Why not LMCache's own: ``redis://`` (``RedisConnector``) writes two keys per object without a
 TTL and its ``close()`` deadlocks (``AsyncPQExecutor.shutdown(wait=True)`` run on its own loop);
-``resp://`` corrupts every object that is not exactly one full chunk long
-(/work/shared/research/lmcache-storage-probe.md). LMCache loads this class through its plugin
+``resp://`` corrupts every object that is not exactly one full chunk long (both measured
+against LMCache before this plugin was written). LMCache loads this class through its plugin
 hook (``remote_storage_plugins`` + ``extra_config["remote_storage_plugin.<name>.*"]``, see
 :func:`plugin_extra_config`), builds a ``RemoteBackend`` around it and calls it on its loop.
 

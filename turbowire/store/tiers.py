@@ -5,8 +5,8 @@ tier are LMCache's (``LocalCPUBackend``, ``LocalDiskBackend``), and Redis is rea
 LMCache's ``RemoteBackend`` around our own connector plugin (:mod:`turbowire.store.redis_plugin`),
 so deployments tune one storage layer. We drive the backends directly, on our own event-loop
 thread, instead of through ``StorageManager``: we need per-put completion status, non-blocking
-allocation and a bounded ``close()``, none of which ``StorageManager`` offers
-(/work/shared/research/lmcache-storage-probe.md).
+allocation and a bounded ``close()``, none of which ``StorageManager`` offers (measured
+against LMCache's own tiers before this module was written).
 
 Every object is a ``TensorMemoryObj`` of shape ``[1, 1, n, 1]`` uint8 (``KV_2LTD``; the only
 layout every tier round-trips) holding a frame::
