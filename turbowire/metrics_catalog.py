@@ -2,8 +2,9 @@
 
 Why a catalog: the connector's Prometheus adapter (``turbowire.connector.prom``), the proxy
 (``turbowire.serving.proxy``), the recording rules, the Grafana dashboard generator, the
-README table and the naming tests all read this list, so a metric cannot be renamed in one place
-and silently missing in another. It imports nothing heavy (no vLLM, no prometheus_client).
+docs/metrics.md tables and the naming tests all read this list, so a metric cannot be renamed
+in one place and silently missing in another. It imports nothing heavy (no vLLM, no
+prometheus_client).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def exported_series_names() -> frozenset[str]:
 
 
 def markdown_table(specs: tuple[MetricSpec, ...]) -> str:
-    """The README table of ``specs`` (tests/unit/test_metric_names.py keeps README in sync)."""
+    """The docs/metrics.md table of ``specs`` (tests/unit/test_metric_names.py keeps it in sync)."""
     lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for m in specs:
         labels = ", ".join(f"`{lbl}`" for lbl in m.all_labels) or "-"

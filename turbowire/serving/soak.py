@@ -79,7 +79,7 @@ PROXY_IN_FLIGHT = "turbowire_proxy_in_flight_requests"
 #: oneDNN (vLLM's CPU GEMMs, ``onednn_mm``) caches a JIT-compiled primitive per GEMM shape, up
 #: to ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` (1024 by default); a prefill engine sees a new M for
 #: every distinct prompt or chunk length, so its RSS climbs by hundreds of MiB until the cache
-#: is full, whatever the connector does (bench/prefill_rss.py; README "CPU engines"). The soak
+#: is full, whatever the connector does (bench/prefill_rss.py; docs/operations.md). The soak
 #: bounds that cache so that what is left of the RSS growth is the serving path's own.
 DEFAULT_ENGINE_ENV: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 

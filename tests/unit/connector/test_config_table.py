@@ -1,4 +1,5 @@
-"""The declarative key table: README in sync, defaults valid, every bound refused by key name."""
+"""The declarative key table: docs/configuration.md in sync, defaults valid, every bound
+refused by key name."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from turbowire.connector.config import (
     update_readme,
 )
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+CONFIG_PAGE = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 
 def build(extra: dict[str, Any], environ: dict[str, str] | None = None) -> TurboWireConfig:
@@ -35,12 +36,12 @@ def build(extra: dict[str, Any], environ: dict[str, str] | None = None) -> Turbo
 
 
 def test_readme_table_is_generated_from_the_key_table() -> None:
-    readme = README.read_text(encoding="utf-8")
+    readme = CONFIG_PAGE.read_text(encoding="utf-8")
     table = readme_table(readme)
-    assert table is not None, "README lacks the <!-- config-table --> markers"
+    assert table is not None, "docs/configuration.md lacks the <!-- config-table --> markers"
     assert table == render_markdown_table(), (
-        "README connector-configuration table is stale: regenerate it with "
-        "python -m turbowire.connector.config --write README.md"
+        "docs/configuration.md table is stale: regenerate it with "
+        "python -m turbowire.connector.config --write docs/configuration.md"
     )
     assert update_readme(readme) == readme
 
