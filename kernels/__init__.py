@@ -18,9 +18,12 @@ same bytes as the reference codec and raise the same exceptions:
 * the reference (``turbowire.codec`` with vectorised torch gather/scatter) everywhere else; on
   CPU the multi-layer variants loop over the per-layer calls.
 
-The connector's GPU path takes the Triton implementation directly through
-``kernels/triton_plans.py``: plans of the same chunks in every layer, built from arrays, launched
-per layer or batched, with no host synchronisation before a decode's ``check``.
+The connector's CUDA coder takes the Triton implementation directly through the plans exported
+here (``ChunkSet``, ``EncodeLayersPlan``, ``DecodeLayersPlan`` of ``kernels/triton_plans.py``):
+the same chunks in every layer, built from arrays, launched per layer or batched, with no host
+synchronisation before a decode's ``check``; ``cuda_serves`` says where they apply and
+``block_kernel_config`` gives the launch shape of block-sized chunks. The connector imports this
+package only, never a module below it (tests/unit/test_kernels_imports.py checks it).
 
 Layouts: ``PagedKVLayout`` (``kernels/paged.py``) describes vLLM's paged caches (gather/scatter
 of the reference path). The CPU attention layouts module, ``kernels/cpu_attn_layout.py``
@@ -34,6 +37,8 @@ Module graph: ``items`` and ``paged`` are leaves; ``dispatch`` imports the imple
 never import ``dispatch`` (tests/unit/test_kernels_imports.py checks it).
 """
 
+from turbowire.kernels.cpu_attn_layout import cpu_attn_layout
+from turbowire.kernels.cpu_dispatch import served_by
 from turbowire.kernels.dispatch import (
     decode_into,
     decode_layers_into,
@@ -41,20 +46,39 @@ from turbowire.kernels.dispatch import (
     encode_into,
     encode_layers_into,
 )
-from turbowire.kernels.fp8_cache import KVScales
+from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES, KVScales, is_fp8_cache, resolve_scales
 from turbowire.kernels.items import DecodeItem, EncodeItem
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
+from turbowire.kernels.triton_common import (
+    BLOCK_ENCODE_REGISTERS,
+    KernelConfig,
+    block_kernel_config,
+    cuda_serves,
+)
+from turbowire.kernels.triton_plans import ChunkSet, DecodeLayersPlan, EncodeLayersPlan
 
 __all__ = [
+    "BLOCK_ENCODE_REGISTERS",
+    "FP8_CACHE_DTYPES",
     "BlockIndexError",
     "CacheLayoutError",
+    "ChunkSet",
     "DecodeItem",
+    "DecodeLayersPlan",
     "EncodeItem",
+    "EncodeLayersPlan",
     "KVScales",
+    "KernelConfig",
     "PagedKVLayout",
+    "block_kernel_config",
+    "cpu_attn_layout",
+    "cuda_serves",
     "decode_into",
     "decode_layers_into",
     "decode_tail_into",
     "encode_into",
     "encode_layers_into",
+    "is_fp8_cache",
+    "resolve_scales",
+    "served_by",
 ]

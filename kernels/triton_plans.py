@@ -41,7 +41,7 @@ from turbowire.codec.wire import HEADER_BYTES
 from turbowire.kernels.fp8_cache import KVScales
 from turbowire.kernels.items import DecodeItem
 from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
-from turbowire.kernels.triton_dispatch import (
+from turbowire.kernels.triton_common import (
     _MAX_LEVELS,
     DEFAULT_CONFIG,
     SUPPORTED_DTYPES,
@@ -621,7 +621,7 @@ class DecodeLayersPlan:
     def flag(self, lo: int = 0) -> torch.Tensor | None:
         """The device flag of the range launched from ``lo`` (one int32, nonzero once a chunk of
         the range was refused): ``launch`` then a non-blocking copy of this to pinned memory
-        reads the verdict without a host synchronisation (connector/gpu_path.py)."""
+        reads the verdict without a host synchronisation (the connector's CUDA coder)."""
         return None if self.fails is None else self.fails[4 * lo:4 * lo + 1]
 
     def check(self, lo: int = 0, hi: int | None = None, flag: int | None = None) -> None:
