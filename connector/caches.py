@@ -50,7 +50,7 @@ class EngineCaches:
         """bf16/fp16 caches anywhere; fp8 e4m3 caches in vLLM's GPU layout, with the layer's
         scales readable from vLLM's attention layer (checked now, read again per call). Layers
         are coded one by one, so a draft model's cache may have another dtype."""
-        from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES, is_fp8_cache
+        from turbowire.kernels import FP8_CACHE_DTYPES, is_fp8_cache
 
         odd = {t.dtype for t in self.tensors} - {torch.bfloat16, torch.float16, *FP8_CACHE_DTYPES}
         if odd:
@@ -77,7 +77,7 @@ class EngineCaches:
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
         """The layer's fp8 (K, V) scales as vLLM's attention layer holds them, read per call
         (vLLM may compute them on the first forward pass); None for bf16/fp16 caches."""
-        from turbowire.kernels.fp8_cache import is_fp8_cache
+        from turbowire.kernels import is_fp8_cache
 
         if not is_fp8_cache(self.tensors[layer]):
             return None
@@ -98,8 +98,7 @@ class EngineCaches:
 
         if cache.dim() != 4 or cache.device.type != "cpu":
             return PagedKVLayout.from_cache(cache, head_dim=self.geometry.head_dim)
-        from turbowire.kernels.cpu_attn_layout import cpu_attn_layout
-        from turbowire.kernels.cpu_dispatch import served_by
+        from turbowire.kernels import cpu_attn_layout, served_by
 
         isa = getattr(self._attention_layer(layer), "isa", None)
         layout = cpu_attn_layout(

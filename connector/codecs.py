@@ -1,10 +1,13 @@
-"""The connector's only doorway to turbowire.codec / turbowire.kernels (one place to adapt)."""
+"""Where the connector builds its codec: the stock presets and the codec of a model's layers.
+
+The kernels are reached through ``turbowire.kernels`` only (the cache coders, ``connector/
+coder``); the wire format's header checks through ``turbowire.codec.wire`` (the store path).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from turbowire.connector.config import ConnectorConfigError
 from turbowire.connector.geometry import KVGeometry
 
 
@@ -15,12 +18,10 @@ def known_presets() -> list[str]:
 
 
 def make_codec(preset: str, geometry: KVGeometry) -> Any:
-    """A codec for this model's transferred layers; an unknown preset is a config error."""
+    """A codec for this model's transferred layers (the preset was validated with the config:
+    ``TurboWireConfig.from_extra_config(known_presets=...)``)."""
     from turbowire.codec import Codec
 
-    presets = known_presets()
-    if preset not in presets:
-        raise ConnectorConfigError(f"preset={preset!r} is unknown: use one of {presets}")
     return Codec(preset, geometry.head_dim, geometry.num_layers)
 
 

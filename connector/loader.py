@@ -18,10 +18,9 @@ prompt_digest``): the prefill engine refuses a lease it staged for another promp
 one prompt presented with another fail as ``prompt_mismatch`` before anything is decoded, even
 when their ``turbowire_prompt_hash`` was replaced.
 
-Side-channel calls run on the executor's lane of their peer (``submit_to((host, port), ...)``
-when the executor has one: :class:`~turbowire.connector.sidechannel.client.PeerExecutors`), so a
-peer that never answers stalls only its own loads. At most ``max_peers`` handshakes are kept
-(least recently used dropped, its NIXL agent removed once no READ uses it).
+Its parts: ``loader_peers`` (handshakes, claims, releases on per-peer lanes), ``read_plan``
+(the READs' groups and descriptor rows), ``loader_failures`` (a failed load, its quarantined
+receive range).
 
 Everything it talks to is injected (transport, side-channel clients, executor, the decode of a
 layer group into the paged cache), so a fake transport can unit-test it
@@ -33,25 +32,34 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from turbowire.connector import probe
+from turbowire.connector.coder.base import ChunkOffsets, PendingDecode
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout
-from turbowire.connector.metadata import LoadReport, LoadRequest, PeerAddress
-from turbowire.connector.sidechannel.client import PeerTimeoutError
+from turbowire.connector.loader_failures import LoadFailures, Quarantined
+from turbowire.connector.loader_peers import (  # noqa: F401 - the loader's errors, re-exported
+    LeaseRefusedError,
+    LoadFailed,
+    PeerLinks,
+    PeerState,
+    PromptMismatchError,
+)
+from turbowire.connector.metadata import LoadReport, LoadRequest
+from turbowire.connector.read_plan import ReadRows, chunk_sizes, layer_groups, read_rows
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import P2P_LABEL, TurboWireConnectorStats
 from turbowire.connector.transports.base import Transfer, TransferState, Transport, TransportError
-from turbowire.errors import TurboWireError, failure_reason
+from turbowire.errors import failure_reason
 
 if TYPE_CHECKING:
     from turbowire.connector.compat import CompatibilityRecord
-    from turbowire.connector.sidechannel.client import PeerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -59,72 +67,16 @@ logger = logging.getLogger(__name__)
 # that landed is decoded, and the groups land one after another instead of all at the end.
 READS_IN_FLIGHT = 2
 
-# Failure reasons that say the cached handshake of the peer may be stale (the prefill engine
-# died, restarted at the same address, or its NIXL agent went away): the next load re-handshakes.
-PEER_FAILURES = frozenset({"transport", "peer_unreachable", "timeout"})
-
-
-def _distinct(xfers: Iterator[Transfer]) -> list[Transfer]:
-    """Each transfer once, in order (one READ may carry several layer groups)."""
-    seen: set[int] = set()
-    out = []
-    for x in xfers:
-        if id(x) not in seen:
-            seen.add(id(x))
-            out.append(x)
-    return out
-
-
-class LoadFailed(TurboWireError):
-    """A load failed; ``reason`` is the metric label (timeout, lease_expired, bounds, ...)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason  # type: ignore[misc]  # per instance: one class, many reasons
-
-
-class PromptMismatchError(LoadFailed):
-    """The prefill engine refused the claim: its lease holds the KV of another prompt than this
-    request's (the params belong to another prompt; their ``turbowire_prompt_hash`` was
-    replaced or the prompt differs). Nothing is decoded; the prompt is recomputed."""
-
-    reason = "prompt_mismatch"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(type(self).reason, message)
-
-
-class LeaseRefusedError(LoadFailed):
-    """The prefill engine holds the lease but refused the claim: the lease token presented (the
-    request's ``turbowire_lease_token``) is not that lease's. Not an expiry: ``lease_seconds``
-    has nothing to do with it; the request's ``kv_transfer_params`` were altered, or name another
-    request's lease."""
-
-    reason = "lease_refused"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(type(self).reason, message)
-
-
-@dataclass
-class PeerState:
-    info: PeerInfo
-    agent: str
-    handshake_seconds: float
-
-
 @dataclass
 class LoadJob:
     load: LoadRequest
     created: float = field(default_factory=time.monotonic)
     recv_offset: int | None = None
     recv_nbytes: int = 0
-    chunk_offsets: Mapping[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    chunk_offsets: ChunkOffsets | None = None
     groups: list[range] = field(default_factory=list)  # layers of each READ
     xfers: list[Transfer] = field(default_factory=list)  # the READ of each posted group
-    group_descs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    desc_all: tuple[np.ndarray, np.ndarray] | None = None  # every group's rows, group_descs' base
-    group_rows: list[int] = field(default_factory=list)  # first row of each group, then the end
+    rows: ReadRows | None = None  # the descriptor rows of every group
     peer_agent: str = ""
     decoded: list[bool] = field(default_factory=list)
     pending: list[PendingDecode] = field(default_factory=list)  # decodes not settled yet
@@ -138,91 +90,14 @@ class LoadJob:
     tokens: int = 0  # of all blocks, counted when the READs are posted
 
 
-@dataclass
-class Quarantined:
-    """A failed load's receive range that READs still on the wire may write into.
+DecodeGroup = Callable[[LoadRequest, range, int, ChunkOffsets], PendingDecode]
+"""decode(load, layers, recv_offset, chunks): verify and decode the chunks of ``layers``
+(landed at ``recv_offset + chunks[(block, layer)]``) into the paged cache; the handle says when
+that ran (``CacheCoder.decode``). The load is finished once every handle ran, none refused."""
 
-    It is given back only once every one of those READs has ended (DONE or FAILED: NIXL no
-    longer writes into it), so a late byte can never land in a range another load decodes from;
-    without the hand-back, every load failed on a dead or stalled peer shrank the receive buffer
-    for good until loads could only wait for ``transfer_timeout_seconds``.
-    """
-
-    offset: int
-    nbytes: int
-    xfers: list[Transfer]
-    agent: str
-
-
-def layer_groups(num_layers: int, groups: int) -> list[range]:
-    """Split layers 0..num_layers-1 into at most ``groups`` contiguous, near-equal ranges."""
-    groups = max(1, min(groups, num_layers))
-    base, extra = divmod(num_layers, groups)
-    out: list[range] = []
-    start = 0
-    for g in range(groups):
-        size = base + (1 if g < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-
-class ChunkOffsets(Mapping[tuple[int, int], tuple[int, int]]):
-    """Where each chunk of a load lies in its receive range: ``(block position, layer) ->
-    (offset, bytes)``, backed by two ``[layers, blocks]`` arrays (``offsets``, ``sizes``) that a
-    decode can take whole; ``groups``: the layers of each READ, in the order they are handed to
-    the decode (the GPU path prepares one launch per group)."""
-
-    def __init__(self, offsets: np.ndarray, sizes: np.ndarray,
-                 groups: list[range] | None = None) -> None:
-        self.offsets = offsets
-        self.sizes = sizes
-        self.groups = groups
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int]:
-        bi, layer = key
-        if not (0 <= layer < self.sizes.shape[0] and 0 <= bi < self.sizes.shape[1]):
-            raise KeyError(key)
-        return int(self.offsets[layer, bi]), int(self.sizes[layer, bi])
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        for layer in range(self.sizes.shape[0]):
-            for bi in range(self.sizes.shape[1]):
-                yield (bi, layer)
-
-    def __len__(self) -> int:
-        return int(self.sizes.size)
-
-
-class PendingDecode(Protocol):
-    """A layer group's decode that may still be running on the GPU (connector/gpu_path.py)."""
-
-    def done(self) -> bool:
-        """Whether it ran (its verdict is known); never waits."""
-        ...
-
-    def result(self) -> None:
-        """Wait for it; raise the decode's refusal (a refused chunk is never written into the
-        cache; valid chunks launched with it may be: they are blocks of the same load, which
-        fails as a whole, so vLLM recomputes them)."""
-        ...
-
-    def abandon(self) -> None:
-        """The load failed: run nothing more of it, wait for what reads the receive range."""
-        ...
-
-
-DecodeGroup = Callable[[LoadRequest, range, int, Mapping[tuple[int, int], tuple[int, int]]],
-                       "PendingDecode | None"]
-"""decode(load, layers, recv_offset, chunk_offsets): verify and decode the chunks of ``layers``
-(landed at ``recv_offset + chunk_offsets[(block, layer)]``; a ``ChunkOffsets``) into the paged
-cache. Returns None when that is done (a refusal raises), or a ``PendingDecode``: the load is
-finished only once every group's decode has run and none was refused."""
-
-PrepareDecode = Callable[[LoadRequest, int, Mapping[tuple[int, int], tuple[int, int]]], None]
-"""prepare(load, recv_offset, chunk_offsets): called once a load's first READs are posted, so
-the decode's plan is built while the bytes move; raising fails the load."""
+PrepareDecode = Callable[[LoadRequest, int, ChunkOffsets], None]
+"""prepare(load, recv_offset, chunks): called once a load's first READs are posted, so the
+decode is made ready while the bytes move (``CacheCoder.prepare_load``); raising fails it."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +114,24 @@ class LocalEnd:
     dense_bytes_per_token: int
 
 
-class KVLoader:
+def likely_runs(groups: Sequence[range], n_layers: int) -> list[range]:
+    """Runs of layer groups this loader hands over in one decode call besides single groups
+    (the coder prepares a launch for each, ``ChunkOffsets.runs``): all layers (every READ
+    landed by one poll), and with more than ``READS_IN_FLIGHT`` groups the groups of the first
+    READs, then the rest (a poll found the first READs landed and posted the rest in one READ:
+    ``KVLoader._link_idle``)."""
+    if len(groups) <= 1:
+        return []
+    runs = [range(n_layers)]
+    if len(groups) > READS_IN_FLIGHT:
+        split = groups[READS_IN_FLIGHT - 1].stop
+        runs.append(range(groups[0].start, split))
+        if len(groups) > READS_IN_FLIGHT + 1:  # else the rest is one group, handed over alone
+            runs.append(range(split, n_layers))
+    return runs
+
+
+class KVLoader(PeerLinks, LoadFailures):
     """Loads requests' KV from prefill engines; driven by the worker's per-step calls."""
 
     def __init__(
@@ -291,12 +183,6 @@ class KVLoader:
         self._quarantine: list[Quarantined] = []
         self._stale_agents: set[str] = set()  # NIXL agents of forgotten peers, to remove
         self.quarantined_bytes = 0
-        # hand a run of groups that landed together to one decode call (False: one call per
-        # group, as before; the GPU bench measures both)
-        self.merge_landed = True
-        # post every group left in one READ when a poll finds the link idle (False: two READs
-        # in flight until the end, as before; the GPU bench measures both)
-        self.coalesce_idle = True
 
     @property
     def pending(self) -> int:
@@ -330,14 +216,6 @@ class KVLoader:
         if load.remote_request_id and load.peer.host:
             self._release_async(load, count_failure=False)
 
-    def _submit(self, peer: PeerAddress, fn: Callable[..., Any], *args: Any,
-                **kwargs: Any) -> Future:
-        """Run a side-channel call on ``peer``'s own lane when the executor has lanes."""
-        submit_to = getattr(self._executor, "submit_to", None)
-        if submit_to is not None:
-            return submit_to((peer.host, peer.port), fn, *args, **kwargs)
-        return self._executor.submit(fn, *args, **kwargs)
-
     def results(self) -> tuple[set[str], set[str]]:
         """(finished incl. failed, failed) since the last call."""
         self._spent = []
@@ -356,7 +234,9 @@ class KVLoader:
         still: list[LoadJob] = []
         for job in self._jobs:
             try:
-                if self._advance(job, now):
+                with probe.mark("loader.advance"):
+                    finished = self._advance(job, now)
+                if finished:
                     self._spent.append(job)
                     continue  # finished
             except LoadFailed as exc:
@@ -387,10 +267,10 @@ class KVLoader:
         if not self._claimed(job):
             return False  # nothing is decoded before the lease is confirmed
         # decode every group that has landed, in order (the READs posted meanwhile included),
-        # each run of consecutive landed groups in one call (``merge_landed``); the next READs
+        # each run of consecutive landed groups in one call; the next READs
         # go out before a run is decoded, so the link stays busy while the CPU/GPU decodes, and
         # groups that land meanwhile are taken by the next run
-        while (landed := self._take_landed(job)) is not None:
+        while (landed := self._landed(job)) is not None:
             layers, handles = landed
             try:
                 job.decode_seconds += self._decode_group(job, layers)
@@ -417,17 +297,23 @@ class KVLoader:
         self._complete(job, job.transferred_at - job.posted, job.decode_seconds)
         return True
 
+    def _landed(self, job: LoadJob) -> tuple[range, list[Transfer]] | None:
+        with probe.mark("loader.take_landed"):
+            return self._take_landed(job)
+
     def _take_landed(self, job: LoadJob) -> tuple[range, list[Transfer]] | None:
         """The layers of the next run of landed groups and their READ handles (the caller
         releases them once the run's decode is launched, even if it raises), the next READs
-        posted; None if the next group has not landed. With ``merge_landed`` off, one group per
-        run: a decode call per READ."""
+        posted; None if the next group has not landed. A poll that finds the link idle posts
+        every group left in one READ first (two at a time would cost a poll, an engine step, per
+        two groups)."""
         g = next((i for i, d in enumerate(job.decoded) if not d), len(job.xfers))
         first = g
         handles: list[Transfer] = []
         try:
-            if self.coalesce_idle and self._link_idle(job, g):
-                self._post_more(job, rest=True)
+            if self._link_idle(job, g):
+                with probe.mark("loader.post_reads"):
+                    self._post_more(job, rest=True)
             while g < len(job.xfers):
                 xfer = job.xfers[g]
                 if not handles or handles[-1] is not xfer:  # one READ may carry several groups
@@ -441,8 +327,6 @@ class KVLoader:
                 job.decoded[g] = True  # handed over: its handle is the caller's to release
                 g += 1
                 self._post_more(job)  # before the decode; a READ posted here may have landed
-                if not self.merge_landed and (g == len(job.xfers) or job.xfers[g] is not xfer):
-                    break  # one call per READ (the groups of one READ are handed over together)
         except BaseException:
             for xfer in handles:  # landed, never decoded: the load fails, the handles go
                 xfer.release()
@@ -450,162 +334,6 @@ class KVLoader:
         if g == first:
             return None
         return range(job.groups[first].start, job.groups[g - 1].stop), handles
-
-    def _peer_for(self, job: LoadJob) -> PeerState | None:
-        peer = job.load.peer
-        state = self._peers.get(peer.key)
-        if state is not None:
-            self._peers.move_to_end(peer.key)
-            return state
-        pending = self._handshakes.get(peer.key)
-        if pending is None:
-            future = self._submit(peer, self._handshake_rpc, peer)
-            self._handshakes[peer.key] = (future, time.perf_counter())
-            return None
-        future, started = pending
-        if not future.done():
-            return None
-        del self._handshakes[peer.key]
-        try:
-            info = future.result()  # raises the handshake's error for this job (retried next job)
-        except PeerTimeoutError as exc:
-            if not self._may_retry(job, exc, "handshake"):
-                raise
-            return None  # the next call sends a new one
-        self._check_peer_geometry(info, peer)
-        agent = self._transport.add_peer(info.staging.agent_metadata)  # main thread only
-        self._stale_agents.discard(agent)  # the same agent answered again: still in use
-        elapsed = time.perf_counter() - started
-        state = PeerState(info, agent, elapsed)
-        self._peers[peer.key] = state
-        self._evict_peers()
-        self.stats.observe(
-            "handshake_seconds", elapsed, transport=P2P_LABEL, preset=self.config.preset
-        )
-        job.handshake_seconds = elapsed
-        logger.info(
-            "handshake with prefill engine %s at %s:%d done in %.1f ms",
-            peer.engine_id, peer.host, peer.port, elapsed * 1e3,
-        )
-        return state
-
-    def _evict_peers(self) -> None:
-        """Keep at most ``max_peers`` handshakes: the least recently used beyond it is dropped
-        (its NIXL agent is removed once no READ uses it; named again, it is handshaken again)."""
-        while len(self._peers) > self.max_peers:
-            key, old = self._peers.popitem(last=False)
-            self._stale_agents.add(old.agent)
-            logger.info("dropping the handshake with prefill engine %s at %s:%d (max_peers)",
-                        *key)
-
-    def _claimed(self, job: LoadJob) -> bool:
-        """Extend the prefill lease (one heartbeat round trip, sent when the READs are posted):
-        a slot is only decoded once its lease is known to have held, so an expired (possibly
-        reused) slot is never decoded. Bytes read from a slot reused meanwhile would also fail
-        the chunk tag or checksum. A lease the prefill engine holds but refuses (wrong or missing
-        lease token) fails as ``lease_refused``, one it no longer holds as ``lease_expired``."""
-        if job.claimed:
-            return True
-        if job.claim is None:
-            load = job.load
-            client = self._clients.get(load.peer.host, load.peer.port)
-            # this engine's own prompt: the prefill engine refuses a lease staged for another
-            claim = ({"prompts": [(load.prompt_digest, load.prompt_tokens)]}
-                     if load.prompt_digest else {})
-            job.claim = self._submit(
-                load.peer, client.heartbeat, [load.remote_request_id], self.engine_id,
-                lease_tokens=[load.lease_token], **claim,
-            )
-            return False
-        if not job.claim.done():
-            return False
-        try:
-            reply = job.claim.result()
-        except PeerTimeoutError as exc:
-            if not self._may_retry(job, exc, "claim"):
-                raise
-            job.claim = None
-            return self._claimed(job)  # sends it again
-        rid = job.load.remote_request_id
-        if rid in getattr(reply, "prompt_mismatch", ()):
-            raise PromptMismatchError(
-                f"the prefill engine {job.load.peer.engine_id} refused this engine's claim on "
-                f"the lease of request {rid}: it staged another prompt than this request's (the "
-                "kv_transfer_params belong to another prompt, their turbowire_prompt_hash "
-                "replaced?); nothing is decoded"
-            )
-        if rid in reply.refused:
-            raise LeaseRefusedError(
-                f"the prefill engine {job.load.peer.engine_id} holds the lease of request {rid} "
-                "but refused this engine's claim on it: the turbowire_lease_token in the "
-                "request's kv_transfer_params is not that lease's (the params were altered, or "
-                "their remote_request_id belongs to another request/lease); forward the prefill "
-                "engine's kv_transfer_params unchanged (not an expiry: lease_seconds does not "
-                "matter here)"
-            )
-        if rid in reply.unknown:
-            raise LoadFailed(
-                "lease_expired",
-                f"the prefill engine no longer holds request {rid} "
-                "(lease expired before the decode engine got to it; raise lease_seconds)",
-            )
-        job.claimed = True
-        return True
-
-    def _may_retry(self, job: LoadJob, exc: PeerTimeoutError, what: str) -> bool:
-        """Whether a side-channel call of ``job`` that timed out is sent again: yes while the
-        lease may still hold (``lease_seconds`` from the load's start, within
-        ``transfer_timeout_seconds``). A prefill engine starved of CPU answers late, not never
-        (bench/RESULTS.md "Starved CPUs"); a hung one fails the load once that window has
-        passed, as ``peer_unreachable``."""
-        window = min(job.load.lease_seconds, self.config.transfer_timeout_seconds)
-        if time.monotonic() + self.config.handshake_timeout_seconds > job.created + window:
-            return False
-        logger.warning(
-            "the %s for request %s timed out (%s); sending it again while its lease may hold",
-            what, job.load.request_id, exc,
-        )
-        return True
-
-    def _handshake_rpc(self, peer: PeerAddress) -> PeerInfo:
-        """Network part of the handshake (thread pool; no NIXL calls here)."""
-        client = self._clients.get(peer.host, peer.port)
-        return client.handshake(self.record, self.engine_id, self.tp_rank)
-
-    def _check_peer_geometry(self, info: PeerInfo, peer: PeerAddress) -> None:
-        from turbowire.connector.compat import IncompatiblePeerError
-
-        if info.engine_id != peer.engine_id:
-            raise IncompatiblePeerError(
-                "engine_id", peer.engine_id, info.engine_id,
-                message=f"{peer.host}:{peer.port} now serves engine {info.engine_id}, not "
-                f"{peer.engine_id} (restarted?): its staged KV is gone",
-            )
-        staging = info.staging
-        if staging.mem_type != self.mem_type:
-            raise LoadFailed(
-                "incompatible", f"peer staging is {staging.mem_type}, ours {self.mem_type}"
-            )
-        if len(staging.layer_offsets) != self.geometry.num_layers:
-            raise LoadFailed("incompatible", "peer staging has a different layer count")
-        for layer, off in enumerate(staging.layer_offsets):
-            if off + self.layout.full_chunk_bytes[layer] > staging.slot_bytes:
-                raise LoadFailed("bounds", f"peer slot too small for layer {layer}")
-
-    def _chunk_sizes(self, load: LoadRequest) -> np.ndarray:
-        """Bytes of every chunk, [layers, blocks]: the size depends on the layer, the block's
-        tokens and whether it is a sequence's first block (``chunk_nbytes``), so it is asked
-        once per layer and distinct (tokens, first) pair."""
-        tokens = np.array([b.num_tokens for b in load.blocks], dtype=np.int64)
-        index = np.array([b.index for b in load.blocks], dtype=np.int64)
-        _, rep, inv = np.unique(tokens * 2 + (index == 0), return_index=True,
-                                return_inverse=True)
-        reps = [(int(tokens[i]), int(index[i])) for i in rep]
-        sizes = np.empty((self.geometry.num_layers, len(load.blocks)), dtype=np.int64)
-        for layer in range(self.geometry.num_layers):
-            per_key = np.array([self._chunk_nbytes(layer, t, i) for t, i in reps], np.int64)
-            sizes[layer] = per_key[inv.reshape(-1)]
-        return sizes
 
     def _post(self, job: LoadJob, peer: PeerState) -> bool:
         staging = peer.info.staging
@@ -622,18 +350,14 @@ class KVLoader:
         for block in load.blocks:
             if not 0 < block.num_tokens <= self.geometry.block_size:
                 raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
-        groups = layer_groups(self.geometry.num_layers, self.config.decode_pipeline_groups)
-        # the groups cover the layers in order, so the receive range holds the chunks
-        # layer-major (each group's chunks contiguous), blocks in load order inside a layer;
-        # built as arrays: a 32k-token load is 65536 chunks (a Python loop took ~1 s)
-        sizes = self._chunk_sizes(load)
+        n_layers = self.geometry.num_layers
+        groups = layer_groups(n_layers, self.config.decode_pipeline_groups)
+        sizes = chunk_sizes(load.blocks, n_layers, self._chunk_nbytes)
         flat = sizes.reshape(-1)
-        ends = np.cumsum(flat)
+        ends = flat.cumsum()
         cursor = int(ends[-1]) if ends.size else 0
-        offsets = ChunkOffsets((ends - flat).reshape(sizes.shape), sizes, groups)
-        slot_arr = np.array(slots, dtype=np.int64)
-        remote_addr = (staging.base_addr + slot_arr[None, :] * staging.slot_bytes
-                       + np.array(staging.layer_offsets, dtype=np.int64)[:, None]).reshape(-1)
+        offsets = ChunkOffsets((ends - flat).reshape(sizes.shape), sizes, groups,
+                               likely_runs(groups, n_layers))
         if cursor > self._recv_ranges.capacity:
             raise LoadFailed(
                 "recv_buffer_too_small",
@@ -646,27 +370,15 @@ class KVLoader:
         job.recv_offset, job.recv_nbytes, job.chunk_offsets = start, cursor, offsets
         job.tokens = sum(b.num_tokens for b in load.blocks)  # for the report, not after the wait
         job.groups = groups
-        base = self._recv_base + start
-        n = len(load.blocks)
-        local_addr = base + offsets.offsets.reshape(-1)
-        # (addr, len, dev) rows of every chunk, layer-major: a group's READ, or the READ of all
-        # groups left, is a slice (a view, nothing copied when it is posted)
-        local_all = np.stack([local_addr, flat, np.full(flat.size, self._recv_device, np.int64)],
-                             axis=1).astype(np.uint64)
-        remote_all = np.stack([remote_addr, flat,
-                               np.full(flat.size, staging.device_id, np.int64)],
-                              axis=1).astype(np.uint64)
-        job.desc_all = (local_all, remote_all)
-        job.group_rows = [layers.start * n for layers in groups] + [flat.size]
-        job.group_descs = [
-            (local_all[lo:hi], remote_all[lo:hi])
-            for lo, hi in zip(job.group_rows[:-1], job.group_rows[1:], strict=True)
-        ]
+        job.rows = read_rows(offsets, slots, self._recv_base + start, self._recv_device,
+                             staging.base_addr, staging.slot_bytes, staging.layer_offsets,
+                             staging.device_id)
         job.peer_agent = peer.agent
         job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
         job.wait_seconds = time.monotonic() - job.created
-        self._post_more(job)
-        if self.prepare is not None:  # e.g. the GPU decode plan, built while the bytes move
+        with probe.mark("loader.post_reads"):
+            self._post_more(job)
+        if self.prepare is not None:  # the coder's decode made ready while the bytes move
             self.prepare(load, start, offsets)
         return True
 
@@ -687,15 +399,14 @@ class KVLoader:
         two at a time would cost a poll, an engine step, per two groups)."""
         if len(job.xfers) >= len(job.groups):
             return
+        assert job.rows is not None  # set when the READs are posted
         if rest:
-            assert job.desc_all is not None  # set with group_descs when the READs are posted
-            first = job.group_rows[len(job.xfers)]
-            local, remote = job.desc_all[0][first:], job.desc_all[1][first:]
+            local, remote = job.rows.rest(len(job.xfers))
             self._post_read(job, local, remote, len(job.groups) - len(job.xfers))
             return
         in_flight = sum(1 for g in range(len(job.xfers)) if not job.decoded[g])
         while in_flight < READS_IN_FLIGHT and len(job.xfers) < len(job.groups):
-            local, remote = job.group_descs[len(job.xfers)]
+            local, remote = job.rows.group(len(job.xfers))
             self._post_read(job, local, remote, 1)
             in_flight += 1
 
@@ -714,13 +425,13 @@ class KVLoader:
 
 
     def _decode_group(self, job: LoadJob, layers: range) -> float:
-        """Verify and decode one landed layer group (or hand it to the GPU: ``job.pending``);
-        the wall time of the call."""
+        """Hand one run of landed layer groups to the decode (its handle: ``job.pending``); the
+        wall time of the call."""
         assert job.recv_offset is not None
         t0 = time.perf_counter()
-        pending = self._decode(job.load, layers, job.recv_offset, job.chunk_offsets)
-        if pending is not None:
-            job.pending.append(pending)
+        assert job.chunk_offsets is not None
+        with probe.mark("loader.decode"):
+            job.pending.append(self._decode(job.load, layers, job.recv_offset, job.chunk_offsets))
         return time.perf_counter() - t0
 
     def _complete(self, job: LoadJob, transfer_seconds: float, decode_seconds: float) -> None:
@@ -763,135 +474,6 @@ class KVLoader:
                 rep.dense_bytes / max(rep.wire_bytes, 1), rep.wait_seconds * 1e3,
                 rep.transfer_seconds * 1e3, rep.decode_seconds * 1e3,
             )
-
-    def _fail(self, job: LoadJob, reason: str, message: str) -> None:
-        load = job.load
-        logger.error(
-            "KV load of request %s from engine %s failed (%s): %s",
-            load.request_id, load.peer.engine_id, reason, message,
-        )
-        self.stats.record_failure(reason)
-        for pending in job.pending:  # GPU decodes still reading the receive range
-            try:
-                pending.abandon()
-            except Exception as exc:  # noqa: BLE001 - the load has failed already
-                logger.debug("abandoning a decode of %s: %s", load.request_id, exc)
-        job.pending.clear()
-        in_flight = _distinct(
-            x for g, x in enumerate(job.xfers)
-            if not job.decoded[g] and x.state() is TransferState.PENDING
-        )
-        if in_flight and job.recv_offset is not None:
-            # A READ may still write into the receive range: not reused before it ended.
-            self._quarantine.append(
-                Quarantined(job.recv_offset, job.recv_nbytes, in_flight, job.peer_agent)
-            )
-            self.quarantined_bytes += job.recv_nbytes
-            logger.warning(
-                "receive range [%d, %d) quarantined: %d READ(s) of the failed load may still "
-                "write into it", job.recv_offset, job.recv_offset + job.recv_nbytes,
-                len(in_flight),
-            )
-            job.recv_offset = None
-        else:
-            self._free_recv(job)
-        if reason in PEER_FAILURES:
-            self._forget_peer(load.peer)
-        ended = [g for g, x in enumerate(job.xfers)
-                 if not job.decoded[g] and x.state() is not TransferState.PENDING]
-        for x in _distinct(job.xfers[g] for g in ended):
-            x.release()
-        for g in ended:
-            job.decoded[g] = True
-        self._release_async(load, count_failure=False)  # its failure is counted above
-        self._failed.add(load.request_id)
-        self._reports[load.request_id] = LoadReport(failed=reason)
-
-    def _reclaim(self) -> None:
-        """Give back quarantined ranges whose READs have all ended; remove the NIXL agents of
-        forgotten peers that no READ uses any more."""
-        if self._quarantine:
-            still: list[Quarantined] = []
-            for q in self._quarantine:
-                if any(x.state() is TransferState.PENDING for x in q.xfers):
-                    still.append(q)
-                    continue
-                for x in q.xfers:
-                    x.release()
-                self._recv_ranges.free(q.offset, q.nbytes)
-                self.quarantined_bytes -= q.nbytes
-                logger.info(
-                    "receive range [%d, %d) reclaimed: the failed load's READs ended",
-                    q.offset, q.offset + q.nbytes,
-                )
-            self._quarantine = still
-        if self._stale_agents:
-            remove = getattr(self._transport, "remove_peer", None)
-            in_use = {p.agent for p in self._peers.values()}
-            in_use |= {q.agent for q in self._quarantine}
-            in_use |= {j.peer_agent for j in self._jobs if j.xfers}
-            for agent in sorted(self._stale_agents - in_use):
-                self._stale_agents.discard(agent)
-                if remove is not None:
-                    try:
-                        remove(agent)
-                    except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
-                        logger.info("removing stale NIXL peer %s: %s", agent, exc)
-
-    def _forget_peer(self, peer: PeerAddress) -> None:
-        """Drop the cached handshake of a peer a load just failed on, so the next load with it
-        handshakes again. A prefill engine restarted at the same address under the same
-        ``engine_id`` has a new NIXL agent and staging pool: reusing the cached ones failed every
-        later load with that engine (``transport``) until this engine restarted too."""
-        state = self._peers.pop(peer.key, None)
-        if state is not None:
-            self._stale_agents.add(state.agent)
-            logger.info(
-                "forgetting the handshake with prefill engine %s at %s:%d after a failed load",
-                peer.engine_id, peer.host, peer.port,
-            )
-
-    def _free_recv(self, job: LoadJob) -> None:
-        if job.recv_offset is not None and self._recv_ranges is not None:
-            self._recv_ranges.free(job.recv_offset, job.recv_nbytes)
-            job.recv_offset = None
-
-    def _release_async(self, load: LoadRequest, count_failure: bool = True) -> None:
-        """Tell the prefill engine it may free the staged slots (fire and forget, logged).
-
-        A release that does not get through is counted ``peer_unreachable`` unless the load
-        already failed (``count_failure=False``): that load is counted once, by its own reason;
-        counting the release too made one dead prefill engine two failures per request."""
-        if self._clients is None:
-            return
-
-        def call() -> None:
-            try:
-                reply = self._clients.get(load.peer.host, load.peer.port).release(
-                    [load.remote_request_id], self.engine_id, self.tp_rank,
-                    lease_tokens=[load.lease_token],
-                )
-                if reply.refused:
-                    logger.warning(
-                        "prefill engine %s refused the release of %s: the lease token of the "
-                        "request's kv_transfer_params is not that lease's (altered params, or "
-                        "another request's); the lease expires on its own",
-                        load.peer.engine_id, load.remote_request_id,
-                    )
-                elif reply.unknown:
-                    logger.warning(
-                        "prefill engine %s had no lease for %s any more (expired?)",
-                        load.peer.engine_id, load.remote_request_id,
-                    )
-            except Exception as exc:  # noqa: BLE001 - the lease then expires on its own
-                logger.warning("lease release for %s failed: %s", load.remote_request_id, exc)
-                if count_failure:
-                    self.stats.record_failure("peer_unreachable")
-
-        try:
-            self._submit(load.peer, call)
-        except RuntimeError:  # the worker's pool is shut down (engine exit): send it from here
-            call()
 
     def close(self) -> None:
         """Release what completed last, drop pending handshakes (the executor and clients

@@ -1,9 +1,12 @@
 """Worker side of the store path: encode computed chunks into the store, load stored ones.
 
 Save: after the forward pass (``wait_for_save``) each planned chunk is encoded once, every layer
-with the same kernels and wire format as the NIXL path, into one blob (``turbowire.store.blob``);
-the write to LMCache's tiers runs in the background, and only a write that finished is published
-in the directory, so a directory hit means the bytes were there.
+with the worker's cache coder and the NIXL path's wire format, into one blob
+(``turbowire.store.blob``): the CUDA coder encodes every chunk of a step in one plan on a side
+stream and a background thread waits for the copy to host memory, so the engine thread never
+waits for the device; the host coder encodes chunk by chunk. The write to LMCache's tiers runs
+in the background, and only a write that finished is published in the directory, so a
+directory hit means the bytes were there.
 
 Load: the chunks of a request are fetched a few at a time and decoded in order, each as soon as
 it has arrived and passed every check (blob header: prefix hash, tokens, rank, layer sizes; each
@@ -21,10 +24,13 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from turbowire.connector import probe
+from turbowire.connector.coder import BlobPlan, CacheCoder, EncodedBlobs, make_coder
+from turbowire.connector.coder.host import decode_stored, wait_for_device
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, blocks_for_tokens
 from turbowire.connector.metadata import LoadReport, StoreChunk, StoreLoad, StoreSave
@@ -64,6 +70,7 @@ class StoreWorker:
         stats: TurboWireConnectorStats,
         store: ChunkStore | None = None,
         directory: Directory | None = None,
+        coder: CacheCoder | None = None,
     ) -> None:
         self.config = config
         self.geometry = geometry
@@ -72,6 +79,8 @@ class StoreWorker:
         self.rank = tp_rank
         self.caches = caches
         self.stats = stats
+        # the worker's coder (one per worker, shared with the P2P path); standalone: its own
+        self.coder = coder if coder is not None else make_coder(codec, geometry, caches)
         self._layer_sizes: dict[int, list[int]] = {}
         if store is None:
             from turbowire.store.tiers import ChunkStore, StoreSettings
@@ -98,9 +107,7 @@ class StoreWorker:
         self._loads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tw-store-load")
         self._fetches = ThreadPoolExecutor(max_workers=FETCHES_IN_FLIGHT,
                                            thread_name_prefix="tw-store-fetch")
-        self._gpu_saves: bool | None = None  # CUDA caches: saves on a side stream
-        self._side: torch.cuda.Stream | None = None
-        self._copies: ThreadPoolExecutor | None = None
+        self._copies: ThreadPoolExecutor | None = None  # stores the coder's background blobs
 
     # ------------------------------------------------------------------ geometry
     def layer_nbytes(self, token_start: int) -> list[int]:
@@ -133,146 +140,58 @@ class StoreWorker:
 
     # ------------------------------------------------------------------ save
     def save(self, saves: list[StoreSave]) -> None:
-        """Encode the planned chunks now (after the forward pass); store them in the background.
-
-        CUDA caches: every chunk of the step in one plan, encoded on a side stream after the
-        forward, copied to pinned host memory there; a background thread waits for that copy
-        and stores the blobs, so the engine thread never waits for the device
-        (``_save_on_side_stream``). Elsewhere each chunk is encoded and stored in turn."""
-        if saves and self._side_stream_saves():
-            try:
-                self._save_on_side_stream(saves)
-                return
-            except TurboWireError as exc:  # one bad chunk: the per-chunk path isolates it
-                logger.info("store save plan refused (%s); saving chunk by chunk", exc)
-        self._save_each(saves)
-
-    def _side_stream_saves(self) -> bool:
-        if self._gpu_saves is None:
-            from turbowire.kernels import triton_dispatch
-
-            self._gpu_saves = self.caches.device.type == "cuda" and all(
-                triton_dispatch.applies(self.codec, t) for t in self.caches.tensors)
-        return self._gpu_saves
-
-    def _save_on_side_stream(self, saves: list[StoreSave]) -> None:
-        """One plan for every chunk of the step (kernels/triton_plans.py), launched on a side
-        stream ordered after the forward by an event, the blobs copied to pinned host memory on
-        that stream; a background thread waits for the copy, puts the chunk headers in and
-        stores them. (Without CUDA, as tests run it under Triton's interpreter: inline.)"""
-        import contextlib
-
-        import numpy as np
-
-        from turbowire.kernels.fp8_cache import resolve_scales
-        from turbowire.kernels.triton_plans import ChunkSet, EncodeLayersPlan
-
-        t0 = time.perf_counter()
-        device = self.caches.device
-        cuda = device.type == "cuda"
-        chunks: list[tuple[StoreChunk, BlobHeader, int]] = []
-        req: list[int] = []
-        total = 0
+        """Encode the planned chunks now (after the forward pass); store them in the background
+        (the coder's blobs still on the device: a thread waits for them; else stored now)."""
+        chunks: list[tuple[str, StoreChunk, BlobHeader]] = []
+        request: list[int] = []
         for r, save in enumerate(saves):
             for chunk in save.chunks:
-                header = self._header(chunk)
-                chunks.append((chunk, header, total))
-                req.append(r)
-                total += -(-header.total_nbytes // 64) * 64
+                chunks.append((save.request_id, chunk, self._header(chunk)))
+                request.append(r)
         if not chunks:
             return
-        out = np.array([[base + off for off in header.layer_offsets()]
-                        for _c, header, base in chunks], dtype=np.int64).T  # [layers, chunks]
-        cset = ChunkSet([s.block_ids for s in saves], req, [c.token_start for c, _h, _b in chunks],
-                        [self.scope.chunk_tokens] * len(chunks),
-                        [chunk_tag(c.chunk_hash) for c, _h, _b in chunks])
-        layers = list(range(self.geometry.num_layers))
+        t0 = time.perf_counter()
+        plan = BlobPlan(
+            block_ids=[s.block_ids for s in saves], request=request,
+            token_start=[c.token_start for _r, c, _h in chunks],
+            num_tokens=self.scope.chunk_tokens,
+            tags=[chunk_tag(c.chunk_hash) for _r, c, _h in chunks],
+            layer_offsets=[list(h.layer_offsets()) for _r, _c, h in chunks],
+            layer_nbytes=[list(h.layer_nbytes) for _r, _c, h in chunks],
+            blob_nbytes=[h.total_nbytes for _r, _c, h in chunks])
+        with probe.mark("store.save"):
+            encoded = self.coder.encode_chunks(plan)
+        if not encoded.background:
+            self._store(chunks, encoded, t0)
+            return
         if self._copies is None:
             self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tw-store-d2h")
-        began = copied = None
-        ctx: Any = contextlib.nullcontext()
-        if cuda:
-            if self._side is None:
-                self._side = torch.cuda.Stream(device)
-            side = self._side
-            side.wait_event(torch.cuda.current_stream(device).record_event())  # after forward
-            ctx = torch.cuda.stream(side)
-        with ctx:
-            if cuda:
-                began = torch.cuda.Event(enable_timing=True)
-                began.record(side)
-            # allocated on the side stream: reused only by later side-stream work, i.e. after
-            # the copy below, so nothing needs to hold it
-            blobs = torch.empty(total, dtype=torch.uint8, device=device)
-            plan = EncodeLayersPlan(
-                self.codec, layers, self.caches.tensors, self.caches.layouts[0], cset, out, blobs,
-                kv_scales=[resolve_scales(self.caches.tensors[i], self.caches.kv_scales(i))
-                           for i in layers],
-                layouts=self.caches.layouts)
-            for n, (_c, header, _b) in enumerate(chunks):
-                if plan.written[:, n].tolist() != list(header.layer_nbytes):
-                    raise RuntimeError("codec wrote other sizes than encoded_nbytes promised")
-            plan.launch()
-            if cuda:
-                host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-                host.copy_(blobs, non_blocking=True)
-                copied = torch.cuda.Event(enable_timing=True)
-                copied.record(side)
-            else:
-                host = blobs
+        self._copies.submit(self._store, chunks, encoded, t0)
 
-        def store() -> None:
-            if began is not None and copied is not None:
-                copied.synchronize()  # this thread waits, the engine thread does not
-                encode_s = began.elapsed_time(copied) / 1e3  # encode + copy on the device
-            else:
-                encode_s = time.perf_counter() - t0
-            buf = host.numpy()
-            for chunk, header, base in chunks:
-                try:
-                    head = header.pack()
-                    data = bytearray(buf[base:base + header.total_nbytes].tobytes())
-                    data[:len(head)] = head
-                    self._put(chunk, bytes(data), t0, encode_s)
-                except Exception as exc:  # noqa: BLE001 - a thread: log and count, never lose
-                    logger.exception("chunk at token %d not stored", chunk.token_start)
-                    self.stats.record_store_failure("save", failure_reason(exc))
-
-        self._copies.submit(store)
-
-    def _save_each(self, saves: list[StoreSave]) -> None:
-        from turbowire.kernels import EncodeItem, encode_layers_into
-
-        for save in saves:
-            for chunk in save.chunks:
-                t0 = time.perf_counter()
-                header = self._header(chunk)
-                device = self.caches.device
-                blob = torch.empty(header.total_nbytes, dtype=torch.uint8, device=device)
-                blob[: header.nbytes] = torch.frombuffer(bytearray(header.pack()),
-                                                         dtype=torch.uint8).to(device)
-                tag = chunk_tag(chunk.chunk_hash)
-                jobs = [
-                    (layer, self.caches.tensors[layer], self.caches.layouts[layer],
-                     [EncodeItem(save.block_ids, chunk.token_start, self.scope.chunk_tokens,
-                                 offset, tag)])
-                    for layer, offset in enumerate(header.layer_offsets())
-                ]
-                try:
-                    written = encode_layers_into(
-                        self.codec, jobs, blob,
-                        kv_scales=[self.caches.kv_scales(job[0]) for job in jobs],
-                    )
-                except TurboWireError as exc:
-                    logger.warning("request %s: chunk at token %d not stored: %s",
-                                   save.request_id, chunk.token_start, exc)
-                    self.stats.record_store_failure("save", failure_reason(exc))
-                    continue
-                if [w[0] for w in written] != list(header.layer_nbytes):
-                    raise RuntimeError("codec wrote other sizes than encoded_nbytes promised")
-                data = bytes(blob.cpu().numpy()) if device.type != "cpu" else bytes(blob.numpy())
-                encode_s = time.perf_counter() - t0
-                self._put(chunk, data, t0, encode_s)
+    def _store(self, chunks: list[tuple[str, StoreChunk, BlobHeader]], encoded: EncodedBlobs,
+               t0: float) -> None:
+        """Put each encoded blob (its header written in) into the store; a chunk the coder
+        refused is counted and skipped."""
+        try:
+            results = encoded.wait()
+        except Exception as exc:  # noqa: BLE001 - a thread: log and count, never lose
+            logger.exception("the blobs of a step were not stored")
+            self.stats.record_store_failure("save", failure_reason(exc))
+            return
+        for (request_id, chunk, header), (data, encode_s) in zip(chunks, results, strict=True):
+            if isinstance(data, BaseException):
+                logger.warning("request %s: chunk at token %d not stored: %s", request_id,
+                               chunk.token_start, data)
+                self.stats.record_store_failure("save", failure_reason(data))
+                continue
+            try:
+                head = header.pack()
+                blob = bytearray(data)
+                blob[:len(head)] = head
+                self._put(chunk, bytes(blob), t0, encode_s)
+            except Exception as exc:  # noqa: BLE001 - a thread: log and count, never lose
+                logger.exception("chunk at token %d not stored", chunk.token_start)
+                self.stats.record_store_failure("save", failure_reason(exc))
 
     def _put(self, chunk: StoreChunk, data: bytes, t0: float, encode_s: float) -> None:
         nbytes = len(data)
@@ -350,8 +269,7 @@ class StoreWorker:
         finally:
             for future in pending:
                 future.cancel()
-        if self.caches.device.type == "cuda":
-            torch.cuda.current_stream(self.caches.device).synchronize()
+        wait_for_device(self.caches.device)
         report.transfer_seconds = time.perf_counter() - t0
         used = load.chunks if failed_at is None else load.chunks[:failed_at]
         if used:
@@ -377,7 +295,6 @@ class StoreWorker:
         """Check and decode one stored chunk; the tokens written (all but those vLLM holds)."""
         from turbowire.codec.wire import parse_header as parse_chunk_header
         from turbowire.codec.wire import verify_body
-        from turbowire.kernels import DecodeItem, decode_layers_into, decode_tail_into
 
         header = parse_header(blob)
         check_expected(header, chunk_hash=chunk.chunk_hash, token_start=chunk.token_start,
@@ -387,30 +304,16 @@ class StoreWorker:
         source = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         tag = chunk_tag(chunk.chunk_hash)
         offsets = header.layer_offsets()
-        for layer, (off, size) in enumerate(zip(offsets, header.layer_nbytes, strict=True)):
+        layer_chunks = list(zip(offsets, header.layer_nbytes, strict=True))
+        for layer, (off, size) in enumerate(layer_chunks):
             data = source[off: off + size]  # every layer verified before any is written
             chunk_header = parse_chunk_header(data)
             self.codec.check_compatible(chunk_header, layer, tag, self.scope.chunk_tokens,
                                         chunk.token_start)
             verify_body(chunk_header, data)
-        if self.caches.device.type != "cpu":
-            source = source.to(self.caches.device)
-        items = [
-            DecodeItem(load.block_ids, chunk.token_start, self.scope.chunk_tokens, off, size, tag)
-            for off, size in zip(offsets, header.layer_nbytes, strict=True)
-        ]
-        skip = load.first_token - chunk.token_start
-        if skip > 0:  # starts inside vLLM's own prefix cache: write only the tail
-            for layer, item in enumerate(items):
-                decode_tail_into(self.codec, layer, self.caches.tensors[layer],
-                                 self.caches.layouts[layer], item, source, skip,
-                                 kv_scales=self.caches.kv_scales(layer))
-            return self.scope.chunk_tokens - skip
-        jobs = [(layer, self.caches.tensors[layer], self.caches.layouts[layer], [item])
-                for layer, item in enumerate(items)]
-        decode_layers_into(self.codec, jobs, source,
-                           kv_scales=[self.caches.kv_scales(layer) for layer in range(len(jobs))])
-        return self.scope.chunk_tokens
+        return decode_stored(self.codec, self.caches, load.block_ids, chunk.token_start,
+                             self.scope.chunk_tokens, layer_chunks, tag, source,
+                             load.first_token - chunk.token_start)
 
     def _discard(self, chunk: StoreChunk) -> None:
         try:

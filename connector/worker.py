@@ -3,33 +3,30 @@
 Prefill: ``save_kv_layer`` encodes the planned blocks of each layer into the transport-registered
 staging pool as soon as that layer's attention ran; ``wait_for_save`` covers layers vLLM did not
 hand over (e.g. a draft model's) and makes the bytes final before the scheduler publishes them.
-On CUDA caches both go through ``connector/gpu_path.py`` (one plan per step, encodes on a side
-stream ordered by events, no host synchronisation); elsewhere (CPU engines, the C codec) they
-encode per layer and ``wait_for_save`` returns once the bytes are written.
+Both go through the worker's cache coder (``connector/coder``, chosen once by ``make_coder``:
+on CUDA caches one plan per step, encodes on a side stream ordered by events, no host
+synchronisation; elsewhere the C codec per layer, bytes final when ``wait_for_save`` returns).
 
 Decode: the load state machine is :class:`turbowire.connector.loader.KVLoader`; this module gives
-it the transport, the side-channel clients and the decode of a landed layer group into the paged
-cache (magic, version, preset, geometry, tag and checksum verified by the kernels before anything
-is written).
+it the transport, the side-channel clients and the coder's decode of a landed layer group into
+the paged cache (magic, version, preset, geometry, tag and checksum verified by the kernels
+before anything is written). The store path (``store_worker``) shares the same coder.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from turbowire.connector import gpu_path, threads
+from turbowire.connector import threads
 from turbowire.connector.caches import EngineCaches
+from turbowire.connector.coder import CacheCoder, make_coder
 from turbowire.connector.config import TurboWireConfig
-from turbowire.connector.loader import KVLoader, LoadFailed, LocalEnd
+from turbowire.connector.loader import KVLoader, LocalEnd
 from turbowire.connector.metadata import (
-    LoadRequest,
-    SaveRequest,
     TurboWireConnectorMetadata,
     TurboWireHandshakeMetadata,
     TurboWireWorkerMeta,
@@ -44,7 +41,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from turbowire.connector.gpu_path import GpuPaths
     from turbowire.connector.store_worker import StoreWorker
 
 logger = logging.getLogger(__name__)
@@ -84,7 +80,6 @@ class TurboWireWorker:
         self.mem_type = "DRAM"
         self._sizes: dict[tuple[int, int, bool], int] = {}
         self._saved_layers: set[int] = set()
-        self._step_encode_seconds = 0.0
         # side-channel calls (handshakes, claims, releases) on per-peer lanes: a prefill engine
         # that never answers holds up its own loads only (one pool for all peers stalled every
         # peer's loads behind two such calls)
@@ -94,7 +89,7 @@ class TurboWireWorker:
             initargs=(threads.resolve(config.connector_thread_cpus),),
         )
         self._clients = None
-        self.gpu: GpuPaths | None = None  # the CUDA save/load path (connector/gpu_path.py)
+        self.coder: CacheCoder | None = None  # chosen once the caches are registered
 
     # ------------------------------------------------------------------ setup
     @property
@@ -118,22 +113,28 @@ class TurboWireWorker:
             self.tp_rank = get_tensor_model_parallel_rank()
         except (AssertionError, RuntimeError):
             self.tp_rank = 0
+        transport = None
+        if self.config.uses_nixl:
+            transport = self.transport = make_transport(self.config, self._agent_name())
+            if self.is_producer:
+                self.staging = torch.zeros(self.layout.pool_bytes, dtype=torch.uint8,
+                                           device=device)
+                transport.register(self.staging)
+            if self.is_consumer:
+                self.recv = torch.zeros(self.config.recv_bytes, dtype=torch.uint8, device=device)
+                transport.register(self.recv)
+        self.coder = self.make_coder()
         if self.store_scope is not None:
             from turbowire.connector.store_worker import StoreWorker
 
             self.store = StoreWorker(self.config, self.geometry, self.codec, self.store_scope,
-                                     self.tp_rank, self.caches, self.stats)
-        if not self.config.uses_nixl:
+                                     self.tp_rank, self.caches, self.stats, coder=self.coder)
+        if transport is None:
             logger.info("turbowire worker tp%d: %d layers registered, store path only",
                         self.tp_rank, len(self.kv_caches))
             return
-        transport = self.transport = make_transport(self.config, self._agent_name())
-        if self.is_producer:
-            self.staging = torch.zeros(self.layout.pool_bytes, dtype=torch.uint8, device=device)
-            transport.register(self.staging)
         if self.is_consumer:
-            self.recv = torch.zeros(self.config.recv_bytes, dtype=torch.uint8, device=device)
-            transport.register(self.recv)
+            assert self.recv is not None
             self.recv_ranges = ByteRanges(self.config.recv_bytes)
             self._clients = ClientPool.from_config(self.config)
             local = LocalEnd(
@@ -143,11 +144,9 @@ class TurboWireWorker:
             )
             self.loader = KVLoader(
                 self.config, self.geometry, self.layout, self.chunk_nbytes, local, transport,
-                self._clients, self.recv_ranges, self._decode_group, self._executor, self.stats,
-                prepare=self._prepare_decode,
+                self._clients, self.recv_ranges, self.coder.decode, self._executor, self.stats,
+                prepare=self.coder.prepare_load,
             )
-        if gpu_path.applies(self.codec, self.caches):
-            self.gpu = self._gpu_paths()
         self.handshake_metadata = TurboWireHandshakeMetadata(
             agent_name=transport.agent_name,
             agent_metadata=transport.local_metadata(),
@@ -187,6 +186,16 @@ class TurboWireWorker:
             self._sizes[key] = size
         return size
 
+    def make_coder(self, kind: Literal["auto", "cuda", "host"] = "auto",
+                   kernel_config: Any = "auto") -> CacheCoder:
+        """This worker's cache coder over its registered caches and buffers (``kind``: see
+        ``coder.make_coder``; tests force the CUDA coder on CPU)."""
+        assert self.caches is not None
+        return make_coder(self.codec, self.geometry, self.caches, layout=self.layout,
+                          staging=self.staging, recv=self.recv, chunk_nbytes=self.chunk_nbytes,
+                          save_schedule=self.config.save_schedule, kind=kind,
+                          kernel_config=kernel_config)
+
     # ------------------------------------------------------------------ prefill: encode
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, meta: TurboWireConnectorMetadata
@@ -196,94 +205,27 @@ class TurboWireWorker:
         layer = self.layer_index.get(layer_name)
         if layer is None or layer in self._saved_layers:
             return
-        if self.gpu is not None:  # plans per step, encode on a side stream, no host sync
-            self.gpu.save_layer(layer, meta)
-        else:
-            self._encode_layer(layer, kv_layer, meta.saves)
+        assert self.coder is not None
+        self.coder.save_layer(layer, meta)
         self._saved_layers.add(layer)
 
     def wait_for_save(self, meta: TurboWireConnectorMetadata | None) -> None:
+        """Encode the layers vLLM did not hand over and make the step's bytes final before the
+        scheduler publishes them (the CUDA coder: the current stream waits for the encodes, no
+        host sync); sizes come from the codec, encode times once they are known."""
         if meta is not None and meta.store_saves and self.store is not None:
             self.store.save(meta.store_saves)
         if meta is None or not meta.saves or self.staging is None:
             self._saved_layers.clear()
             return
-        if self.gpu is not None:
-            self._finish_gpu_save(meta)
-            return
-        for layer in range(self.geometry.num_layers):
-            if layer not in self._saved_layers:
-                self._encode_layer(layer, self.kv_caches[layer], meta.saves)
-        if self.staging.device.type == "cuda":
-            torch.cuda.current_stream(self.staging.device).synchronize()
-        assert self.caches is not None
-        dense = wire = 0
-        per_token = self.caches.dense_bytes_per_token()
-        for save in meta.saves:
-            for block in save.blocks:
-                dense += block.num_tokens * per_token
-                wire += sum(
-                    self.chunk_nbytes(layer, block.num_tokens, block.index)
-                    for layer in range(self.geometry.num_layers)
-                )
-        self.stats.record_send(P2P_LABEL, self.config.preset, dense, wire)
-        self.stats.observe(
-            "encode_seconds", self._step_encode_seconds, transport=P2P_LABEL,
-            preset=self.config.preset,
-        )
-        self._step_encode_seconds = 0.0
-        self._saved_layers.clear()
-
-    def _gpu_paths(self) -> GpuPaths:
-        return gpu_path.GpuPaths(self.codec, self.geometry, self.layout, self.caches,
-                                 self.staging, self.recv, self.chunk_nbytes,
-                                 mode="layer" if self._layerwise else "batched")
-
-    def _finish_gpu_save(self, meta: TurboWireConnectorMetadata) -> None:
-        """The GPU path's ``wait_for_save``: the layers vLLM did not hand over are encoded, the
-        current stream waits for the side stream (no host sync, see connector/gpu_path.py);
-        sizes come from the plan, encode times from CUDA events once they have completed."""
-        assert self.gpu is not None and self.caches is not None
-        tokens, wire = self.gpu.finish(meta)
+        assert self.coder is not None and self.caches is not None
+        tokens, wire = self.coder.finish_save(meta)
         self.stats.record_send(P2P_LABEL, self.config.preset,
                                tokens * self.caches.dense_bytes_per_token(), wire)
-        for seconds in self.gpu.encode_seconds():
+        for seconds in self.coder.encode_seconds():
             self.stats.observe("encode_seconds", seconds, transport=P2P_LABEL,
                                preset=self.config.preset)
         self._saved_layers.clear()
-
-    def _encode_layer(self, layer: int, cache: torch.Tensor, saves: list[SaveRequest]) -> None:
-        from turbowire.kernels import EncodeItem, encode_into
-
-        assert self.staging is not None and self.caches is not None
-        items = []
-        limits = []
-        expected = []
-        bs = self.geometry.block_size
-        for save in saves:
-            for block in save.blocks:
-                items.append(
-                    EncodeItem(
-                        block_ids=save.block_ids,
-                        token_start=block.index * bs,
-                        num_tokens=block.num_tokens,
-                        out_offset=self.layout.chunk_offset(block.slot, layer),
-                        tag=block.tag,
-                    )
-                )
-                limits.append(self.layout.full_chunk_bytes[layer])
-                expected.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
-        t0 = time.perf_counter()
-        written = encode_into(self.codec, layer, cache, self.caches.layouts[layer], items,
-                              self.staging, kv_scales=self.caches.kv_scales(layer))
-        self._step_encode_seconds += time.perf_counter() - t0
-        for n, limit, want in zip(written, limits, expected, strict=True):
-            if n > limit:  # would have spilled into the next layer's chunk
-                raise RuntimeError(
-                    f"codec wrote {n} bytes for a block of layer {layer}, slot room is {limit}"
-                )
-            if n != want:
-                raise RuntimeError(f"codec wrote {n} bytes, encoded_nbytes promised {want}")
 
     # ------------------------------------------------------------------ decode: load
     def start_load_kv(self, meta: TurboWireConnectorMetadata) -> None:
@@ -319,45 +261,6 @@ class TurboWireWorker:
         if self.stats.is_empty():
             return None
         return self.stats.clone_and_reset()
-
-    def _prepare_decode(self, load: LoadRequest, recv_offset: int,
-                        chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]) -> None:
-        """The loader's hook once a load's READs are posted: the GPU path builds its plan."""
-        if self.gpu is not None:
-            self.gpu.prepare_load(load, recv_offset, chunk_offsets)
-
-    def _decode_group(self, load: LoadRequest, layers: range, recv_offset: int,
-                      chunk_offsets: Mapping[tuple[int, int], tuple[int, int]]
-                      ) -> gpu_path.PendingGroup | None:
-        """Verify and decode the chunks of ``layers`` (a run of landed READs) into the cache."""
-        if self.gpu is not None:  # queued on the GPU; the loader settles it (one sync per load)
-            return self.gpu.decode_group(load, layers, recv_offset, chunk_offsets)
-        from turbowire.kernels import DecodeItem, decode_into
-
-        assert self.recv is not None and self.caches is not None
-        bs = self.geometry.block_size
-        table = load.block_ids
-        for layer in layers:
-            items = []
-            for bi, block in enumerate(load.blocks):
-                off, size = chunk_offsets[(bi, layer)]
-                if block.index >= len(table) or table[block.index] != block.block_id:
-                    raise LoadFailed("bounds", f"block table does not map block {block.index}")
-                items.append(
-                    DecodeItem(
-                        block_ids=table,
-                        token_start=block.index * bs,
-                        num_tokens=block.num_tokens,
-                        in_offset=recv_offset + off,
-                        nbytes=size,
-                        expected_tag=block.tag,
-                    )
-                )
-            decode_into(self.codec, layer, self.caches.tensors[layer], self.caches.layouts[layer],
-                        items, self.recv, kv_scales=self.caches.kv_scales(layer))
-        if self.recv.device.type == "cuda":
-            torch.cuda.current_stream(self.recv.device).synchronize()
-        return None
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

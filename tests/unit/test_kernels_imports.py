@@ -134,3 +134,36 @@ def test_kernels_do_not_import_the_connector() -> None:
 
 def test_codec_imports_neither_kernels_nor_connector() -> None:
     assert _offenders("turbowire.codec", ("turbowire.kernels", "turbowire.connector")) == []
+
+
+
+def _exported(package: str) -> set[str]:
+    """The names in ``package``'s ``__all__`` (parsed)."""
+    tree = ast.parse(_modules(package)[package].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
+def test_the_connector_imports_the_kernels_package_and_nothing_below_it() -> None:
+    """``turbowire.kernels`` is the connector's one door to the kernels: no connector module
+    (connector/coder/ and the other subfolders included) imports a module below it, by path
+    (``turbowire.kernels.triton_plans``) or as a name of the package that is not exported."""
+    public = _exported(KERNELS)
+    assert {"ChunkSet", "cuda_serves", "EncodeLayersPlan"} <= public
+    bad = []
+    paths = sorted((ROOT / "connector").rglob("*.py"))
+    assert any(p.parent.name == "coder" for p in paths)  # the walk reaches the subfolders
+    for path in paths:
+        rel = path.relative_to(ROOT / "connector").with_suffix("")
+        parts = ["turbowire.connector", *rel.parts]
+        module = ".".join(parts[:-1] if rel.name == "__init__" else parts)
+        for base, name in _statements(module, path):
+            below = base.startswith(KERNELS + ".")
+            hidden = base == KERNELS and name is not None and name not in public
+            if below or hidden:
+                bad.append(f"{path.relative_to(ROOT)} imports {base}" + (f".{name}" if name
+                                                                          else ""))
+    assert bad == []

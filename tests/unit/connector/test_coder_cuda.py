@@ -1,9 +1,9 @@
-"""The worker's GPU path (connector/gpu_path.py) driven through the worker's own calls, on CPU
-under Triton's interpreter (``force``: the same plans, launched inline without streams).
+"""The worker's CUDA coder (connector/coder/cuda.py) driven through the worker's own calls, on CPU
+under Triton's interpreter (forced: the same plans, launched inline without streams).
 
 Prefill: per-layer ``save_kv_layer`` calls (some layers left to ``wait_for_save``) and the
 batched mode must stage exactly the bytes of the per-layer path CPU engines use, and count the
-same dense/wire bytes. Decode: ``_decode_group`` per landed group hands back a handle; settled,
+same dense/wire bytes. Decode: the coder's ``decode`` per landed group hands back a handle; settled,
 it must have written exactly what the per-layer path writes, never written a chunk that fails
 verification (the valid chunks launched with it are written: they are the same load's blocks),
 and raise the reference's exception for a corrupt chunk; an abandoned handle launches nothing.
@@ -22,19 +22,16 @@ from types import SimpleNamespace  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
+from support.fakes import FakeTransport, use_cuda_coder  # noqa: E402
+from support.fakes import make_worker as build_worker  # noqa: E402
 
 from turbowire.codec import ChecksumError  # noqa: E402
-from turbowire.connector import gpu_path  # noqa: E402
-from turbowire.connector import worker as worker_mod  # noqa: E402
+from turbowire.connector.coder import ChunkOffsets, CudaCoder, HostCoder  # noqa: E402
+from turbowire.connector.coder import cuda as cuda_coder  # noqa: E402
+from turbowire.connector.coder.cuda_graphs import DecodeGraphs  # noqa: E402
+from turbowire.connector.coder.cuda_load import PendingGroup  # noqa: E402
 from turbowire.connector.config import TurboWireConfig  # noqa: E402
 from turbowire.connector.geometry import block_tag  # noqa: E402
-from turbowire.connector.loader import ChunkOffsets  # noqa: E402
 from turbowire.connector.metadata import (  # noqa: E402
     LoadBlock,
     LoadRequest,
@@ -44,7 +41,12 @@ from turbowire.connector.metadata import (  # noqa: E402
     TurboWireConnectorMetadata,
 )
 from turbowire.connector.stats import iter_counters  # noqa: E402
-from turbowire.kernels.triton_dispatch import KernelConfig  # noqa: E402
+from turbowire.kernels import (  # noqa: E402
+    BLOCK_ENCODE_REGISTERS,
+    KernelConfig,
+    block_kernel_config,
+    cuda_serves,
+)
 
 BS, HEADS, DIM, NB = 16, 1, 64, 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
@@ -52,37 +54,10 @@ SMALL = KernelConfig(num_warps=1, tile_rows=16)
 GUARD = 7.0
 
 
-class FakeTransport:
-    name = "fake"
-    agent_name = "fake-agent"
-
-    def register(self, tensor) -> None:
-        pass
-
-    def local_metadata(self) -> bytes:
-        return b"md"
-
-    def close(self) -> None:
-        pass
-
-
 def make_worker(monkeypatch, preset: str, gpu: bool, mode: str = "layer", **more):
-    monkeypatch.setattr(worker_mod, "make_transport", lambda config, name: FakeTransport())
     extra = {"preset": preset, "staging_bytes": "1MiB", "decode_pipeline_groups": 2, **more}
-    ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role="kv_both",
-                           kv_connector_extra_config=extra, engine_id=f"e-{preset}-{gpu}")
-    vcfg = SimpleNamespace(
-        kv_transfer_config=ktc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
-        model_config=SimpleNamespace(model="/m/tiny", served_model_name="tiny"),
-        speculative_config=None, compilation_config=SimpleNamespace(static_forward_context={}))
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM,
-                             dtype=torch.bfloat16)
-    kcfg = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
-    cfg = TurboWireConfig.from_extra_config(extra, environ={})
-    w = worker_mod.TurboWireWorker(vcfg, kcfg, cfg, f"e-{preset}-{gpu}")
-    return w
+    return build_worker(monkeypatch, extra, LAYERS, block_size=BS, num_kv_heads=HEADS,
+                        head_size=DIM, num_blocks=NB, engine_id=f"e-{preset}-{gpu}")
 
 
 def gpu_caches(seed: int | None):
@@ -98,14 +73,15 @@ def gpu_caches(seed: int | None):
     return out
 
 
-def register(w, caches, gpu: bool, mode: str = "layer"):
+def register(w, caches, gpu: bool, mode: str = "layer", monkeypatch=None):
     w.register_kv_caches(caches)
-    assert w.gpu is None  # CPU caches: the per-layer path, unless forced below
+    assert isinstance(w.coder, HostCoder)  # CPU caches: the per-layer path, unless forced below
     if gpu:
         # one deferred layer: layer 0 is noted, layer 1 builds the plan and launches both
-        w.gpu = gpu_path.GpuPaths(w.codec, w.geometry, w.layout, w.caches, w.staging, w.recv,
-                                  w.chunk_nbytes, mode=mode, kernel_config=SMALL,
-                                  defer_layers=1)
+        if monkeypatch is not None:
+            monkeypatch.setattr(cuda_coder, "DEFER_LAYERS", 1)
+        use_cuda_coder(w, SMALL)
+        w.coder.mode = mode
 
 
 def save_meta() -> TurboWireConnectorMetadata:
@@ -130,19 +106,19 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     ref = make_worker(monkeypatch, preset, False)
     register(ref, src, False)
     w = make_worker(monkeypatch, preset, True)
-    register(w, src, True, mode)
+    register(w, src, True, mode, monkeypatch)
     meta = save_meta()
     for worker in (ref, w):
         for name in LAYERS[:2]:  # the last layer is left to wait_for_save
             worker.save_kv_layer(name, src[name], meta)
         if worker is w and mode == "layer":  # launched per layer, before wait_for_save
-            assert w.gpu._step is not None and w.gpu._step.launched == {0, 1}
+            assert w.coder._step is not None and w.coder._step.launched == {0, 1}
         worker.wait_for_save(meta)
     assert torch.equal(w.staging, ref.staging)
     if mode == "layer":
-        assert w.gpu._step is None and w.gpu._noted is None
+        assert w.coder._step is None and w.coder._noted is None
     assert sent(w) == sent(ref) and sent(w)
-    assert w.gpu._step is None  # the step's plan is dropped once saved
+    assert w.coder._step is None  # the step's plan is dropped once saved
 
     # ---- decode request "b" into other blocks, in two groups, as the loader hands them over
     save = meta.saves[1]
@@ -168,19 +144,19 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
         dst = gpu_caches(None)
         worker.caches.tensors[:] = [dst[n] for n in LAYERS]
         if worker is w:  # the loader's hook when the READs are posted: the plan is built there
-            worker._prepare_decode(load, recv_offset, offsets)
-            assert len(w.gpu._loads) == 1
+            worker.coder.prepare_load(load, recv_offset, offsets)
+            assert len(w.coder.decoder.loads) == 1
         for layers in (range(0, 2), range(2, 3)):
-            pending = worker._decode_group(load, layers, recv_offset, offsets)
-            assert (pending is None) == (worker is ref)  # the GPU path hands back a handle
-            if pending is not None:
-                assert pending.done()  # launched when asked (inline on the CPU)
-                pending.result()
+            pending = worker.coder.decode(load, layers, recv_offset, offsets)
+            # the CUDA coder hands back a handle of its launch; the host coder's ran already
+            assert isinstance(pending, PendingGroup) == (worker is w)
+            assert pending.done()  # launched when asked (inline on the CPU)
+            pending.result()
         dsts.append(dst)
     for name in LAYERS:
         assert torch.equal(dsts[0][name], dsts[1][name]), name
     assert not torch.equal(dsts[1][LAYERS[0]], gpu_caches(None)[LAYERS[0]])
-    assert not w.gpu._loads  # the load's plan is dropped after its last group
+    assert not w.coder.decoder.loads  # the load's plan is dropped after its last group
 
     # ---- a corrupt chunk in the second group (block 1 of layer 2): it fails; the chunk is not
     # written (its rows keep the guard), the group's other chunks are, as the reference decodes
@@ -191,22 +167,22 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     want[bad_rows] = GUARD
     dst = gpu_caches(None)
     w.caches.tensors[:] = [dst[n] for n in LAYERS]
-    w._decode_group(load, range(0, 2), recv_offset, offsets).result()
+    w.coder.decode(load, range(0, 2), recv_offset, offsets).result()
     with pytest.raises(ChecksumError):
-        w._decode_group(load, range(2, 3), recv_offset, offsets).result()
+        w.coder.decode(load, range(2, 3), recv_offset, offsets).result()
     assert torch.equal(dst[LAYERS[2]], want)
     assert bool((dst[LAYERS[2]][bad_rows] == GUARD).all())
     assert torch.equal(dst[LAYERS[0]], dsts[0][LAYERS[0]])
-    assert not w.gpu._loads
+    assert not w.coder.decoder.loads
 
     # ---- groups that landed together are launched together: one refused chunk, both handles
     # raise; only the refused chunk is not written
     dst = gpu_caches(None)
     w.caches.tensors[:] = [dst[n] for n in LAYERS]
-    first = w._decode_group(load, range(0, 2), recv_offset, offsets)
-    second = w._decode_group(load, range(2, 3), recv_offset, offsets)
-    assert first._launch is None and second._launch is None  # queued, nothing launched yet
-    assert first.done() and first._launch is second._launch  # one launch for both
+    first = w.coder.decode(load, range(0, 2), recv_offset, offsets)
+    second = w.coder.decode(load, range(2, 3), recv_offset, offsets)
+    assert first.launch is None and second.launch is None  # queued, nothing launched yet
+    assert first.done() and first.launch is second.launch  # one launch for both
     for pending in (first, second):
         with pytest.raises(ChecksumError):
             pending.result()
@@ -217,9 +193,9 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     w.recv[at] ^= 0x11  # repaired
     dst = gpu_caches(None)
     w.caches.tensors[:] = [dst[n] for n in LAYERS]
-    pending = w._decode_group(load, range(0, 2), recv_offset, offsets)
+    pending = w.coder.decode(load, range(0, 2), recv_offset, offsets)
     pending.abandon()
-    assert not w.gpu._loads
+    assert not w.coder.decoder.loads
     for name in LAYERS:
         assert torch.equal(dst[name], gpu_caches(None)[name]), name
 
@@ -227,10 +203,10 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
 def test_applies_only_to_cuda_caches(monkeypatch):
     w = make_worker(monkeypatch, "tq4", False)
     register(w, gpu_caches(seed=2), False)
-    assert not gpu_path.applies(w.codec, w.caches)
+    assert not cuda_serves(w.codec, w.caches.tensors)
     with pytest.raises(ValueError, match="mode"):
-        gpu_path.GpuPaths(w.codec, w.geometry, w.layout, w.caches, w.staging, w.recv,
-                          w.chunk_nbytes, mode="graph")
+        CudaCoder(w.codec, w.geometry, w.caches, w.layout, w.staging, w.recv, w.chunk_nbytes,
+                  mode="graph")
 
 
 def test_the_groups_landed_in_one_pass_get_one_captured_launch():
@@ -239,10 +215,10 @@ def test_the_groups_landed_in_one_pass_get_one_captured_launch():
     groups' launches back to back, else none (direct launches); every captured launch covering
     any of those layers is dropped, so no layer is ever decoded by two of them; the dropped ones
     are retired (destroyed at the next load's ``prepare_load``, off the load's path)."""
-    paths = SimpleNamespace(_retired=[])
+    paths = DecodeGraphs(torch.device("cpu"))
 
     def pick(e, layers):
-        return gpu_path.GpuPaths._graphs_for(paths, e, layers)
+        return paths.take(e.graphs, layers)
 
     def entry():
         keys = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 4)]
@@ -250,12 +226,12 @@ def test_the_groups_landed_in_one_pass_get_one_captured_launch():
 
     e = entry()
     assert pick(e, range(0, 4)) == [(0, 4)] and e.graphs == {}  # all landed together
-    assert sorted(paths._retired) == sorted(entry().graphs)  # every one of them, once
-    paths._retired.clear()
+    assert sorted(paths.retired) == sorted(entry().graphs)  # every one of them, once
+    paths.retired.clear()
     e = entry()
     assert pick(e, range(0, 1)) == [(0, 1)]  # a group that landed alone
     assert e.graphs == {(1, 2): (1, 2), (2, 3): (2, 3), (3, 4): (3, 4)}
-    assert sorted(paths._retired) == [(0, 1), (0, 4)]
+    assert sorted(paths.retired) == [(0, 1), (0, 4)]
     assert pick(e, range(1, 4)) == [(1, 2), (2, 3), (3, 4)] and e.graphs == {}
     e = entry()
     del e.graphs[(2, 3)]  # not captured (its kernels were not compiled yet): launched directly
@@ -272,24 +248,9 @@ class _Inline:
         return f
 
 
-class _DoneRead:
-    """A READ whose bytes are there when it is posted (the test puts them in place)."""
-
-    def state(self):
-        from turbowire.connector.transports.base import TransferState
-
-        return TransferState.DONE
-
-    def release(self) -> None:
-        pass
-
-
-class _LandedWire(FakeTransport):
-    def add_peer(self, metadata: bytes) -> str:
-        return "prefill-agent"
-
-    def read(self, peer, local, remote, mem_type, notif=b""):
-        return _DoneRead()
+def _landed_wire():
+    """READs whose bytes are there when they are posted (the test puts them in place)."""
+    return FakeTransport(agent_name="fake-agent", auto_land=True)
 
 
 def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkeypatch):
@@ -303,7 +264,7 @@ def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkey
 
     src = gpu_caches(seed=3)
     w = make_worker(monkeypatch, "tq4", True)
-    register(w, src, True)
+    register(w, src, True, monkeypatch=monkeypatch)
     meta = save_meta()
     for name in LAYERS:
         w.save_kv_layer(name, src[name], meta)
@@ -325,7 +286,7 @@ def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkey
         release=lambda ids, engine_id="", tp_rank=0, **kw: reply)
     w.loader._clients = SimpleNamespace(get=lambda host, port: client)
     w.loader._executor = _Inline()
-    w.loader._transport = _LandedWire()
+    w.loader._transport = _landed_wire()
     bad = (0, 1)  # (block position, layer)
     seen = {}
     real_prepare = w.loader.prepare
@@ -378,7 +339,7 @@ def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkey
             r = (slice(None), dst_ids[b.index], slice(0, b.num_tokens))
             assert (torch.equal(dst[name][r], want[name][r])
                     or torch.equal(dst[name][r], poisoned[name][r])), (layer, bi)
-    assert not w.gpu._loads and not w.loader.pending
+    assert not w.coder.decoder.loads and not w.loader.pending
 
 
 # ---- the loader with GPU decodes (handles that settle later): connector/loader.py
@@ -536,9 +497,8 @@ def test_save_schedule_after_forward_encodes_nothing_per_layer_and_everything_at
     w = make_worker(monkeypatch, "tq4", gpu, save_schedule="after_forward")
     w.register_kv_caches(src)
     if gpu:  # what the worker builds on CUDA caches, forced on the CPU's interpreter
-        w.gpu = gpu_path.GpuPaths(w.codec, w.geometry, w.layout, w.caches, w.staging, w.recv,
-                                  w.chunk_nbytes, mode="batched", kernel_config=SMALL)
-        assert w._gpu_paths().mode == "batched"
+        use_cuda_coder(w, SMALL)
+        assert w.coder.mode == "batched"
     meta = save_meta()
     for name in LAYERS:
         ref.save_kv_layer(name, src[name], meta)
@@ -549,7 +509,7 @@ def test_save_schedule_after_forward_encodes_nothing_per_layer_and_everything_at
         w.save_kv_layer(name, src[name], meta)
     assert torch.equal(w.staging, before) and not w._saved_layers
     if gpu:
-        assert w.gpu._step is None and w.gpu._noted is None
+        assert w.coder._step is None and w.coder._noted is None
     w.wait_for_save(meta)
     written = w.staging != before
     assert written.any()
@@ -571,11 +531,11 @@ def test_the_connector_asks_for_piecewise_graphs_unless_the_save_is_after_the_fo
 
 
 def test_the_graphs_cover_single_groups_all_layers_and_the_first_reads_then_the_rest():
-    from turbowire.connector.loader import layer_groups
+    from turbowire.connector.loader import layer_groups, likely_runs
 
     def runs(n_layers, n_groups):
         groups = layer_groups(n_layers, n_groups)
-        return [(r.start, r.stop) for r in gpu_path._likely_runs(groups, n_layers)]
+        return [(r.start, r.stop) for r in likely_runs(groups, n_layers)]
 
     assert runs(32, 8) == [(0, 32), (0, 8), (8, 32)]
     assert runs(5, 3) == [(0, 5), (0, 4)]  # the rest is group 2 alone: captured as a group
@@ -587,8 +547,8 @@ def test_the_block_chunk_launch_shape_caps_the_encoder_and_leaves_the_decoder_al
     """16-token blocks: 2 warps x 16 rows, the encoder capped at BLOCK_ENCODE_REGISTERS (the
     stream specs do not matter for an explicit cap), no cap on every kernel (the decoder);
     larger blocks keep the kernels' default shape."""
-    cfg = gpu_path.default_kernel_config(16)
+    cfg = block_kernel_config(16)
     assert (cfg.num_warps, cfg.tile_rows) == (2, 16)
-    assert cfg.encode_registers_for(None, None, 128) == gpu_path.BLOCK_ENCODE_REGISTERS
+    assert cfg.encode_registers_for(None, None, 128) == BLOCK_ENCODE_REGISTERS
     assert cfg.max_registers is None
-    assert gpu_path.default_kernel_config(32) is None
+    assert block_kernel_config(32) is None

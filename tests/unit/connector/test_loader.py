@@ -8,106 +8,26 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+from support.fakes import FakeClient, FakeTransfer, FakeTransport, InlineExecutor
 
 from turbowire.codec import Codec
+from turbowire.connector.coder.base import DoneDecode
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
 from turbowire.connector.loader import KVLoader, LocalEnd
 from turbowire.connector.metadata import LoadBlock, LoadRequest, PeerAddress
-from turbowire.connector.sidechannel.client import PeerInfo, PeerTimeoutError
-from turbowire.connector.sidechannel.convert import StagingInfo
+from turbowire.connector.sidechannel.client import PeerTimeoutError
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import TurboWireConnectorStats, iter_counters
-from turbowire.connector.transports.base import TransferState, TransportError
+from turbowire.connector.transports.base import TransferState
 from turbowire.kernels import BlockIndexError
 
 BS, LAYERS, HEADS, DIM = 16, 4, 2, 64
 PEER = PeerAddress("prefill-engine", "127.0.0.1", 5700, 1)
-
-
-class FakeTransfer:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.current = TransferState.PENDING
-        self.released = False
-
-    def state(self) -> TransferState:
-        return self.current
-
-    def release(self) -> None:
-        self.released = True
-
-
-@dataclass
-class FakeTransport:
-    name: str = "fake"
-    agent_name: str = "decode-agent"
-    reads: list[FakeTransfer] = field(default_factory=list)
-    fail_read: bool = False
-
-    def add_peer(self, metadata: bytes) -> str:
-        return "prefill-agent"
-
-    def read(self, peer, local, remote, mem_type, notif=b""):
-        assert peer == "prefill-agent" and len(local) == len(remote)
-        if self.fail_read:
-            raise TransportError("the peer vanished")
-        x = FakeTransfer(int(local[:, 1].sum()))
-        self.reads.append(x)
-        return x
-
-
-class FakeClient:
-    """A prefill engine's side channel: leases in ``expired`` are gone, those in ``refused`` are
-    held but named with a token that is not theirs (the real pool answers both ``unknown``, the
-    refused ones ``refused`` too)."""
-
-    def __init__(self, layout: StagingLayout, record) -> None:
-        self.layout, self.record = layout, record
-        self.expired: set[str] = set()
-        self.refused: set[str] = set()
-        self.released: list[str] = []
-        self.calls: list[str] = []
-        self.tokens: list[tuple[str, list[str] | None]] = []  # (call, lease_tokens presented)
-
-    def handshake(self, record, engine_id, tp_rank):
-        self.calls.append("handshake")
-        staging = StagingInfo("prefill-agent", b"md", 1 << 20, self.layout.slot_bytes,
-                              self.layout.num_slots, tuple(self.layout.layer_offsets), 0, "DRAM")
-        return PeerInfo(PEER.engine_id, self.record, staging, 30.0)
-
-    def _reply(self, ids):
-        refused = [i for i in ids if i in self.refused]
-        return SimpleNamespace(done=[i for i in ids if i not in self.expired | self.refused],
-                               unknown=[i for i in ids if i in self.expired] + refused,
-                               refused=refused)
-
-    def heartbeat(self, ids, engine_id="", lease_tokens=None):
-        self.calls.append("heartbeat")
-        self.tokens.append(("heartbeat", lease_tokens))
-        return self._reply(ids)
-
-    def release(self, ids, engine_id="", tp_rank=0, lease_tokens=None):
-        self.calls.append("release")
-        self.tokens.append(("release", lease_tokens))
-        self.released.extend(ids)
-        return self._reply(ids)
-
-
-class InlineExecutor:
-    """Runs each call at once: the state machine then advances deterministically."""
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        f: Future = Future()
-        try:
-            f.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            f.set_exception(exc)
-        return f
 
 
 @dataclass
@@ -139,6 +59,7 @@ def rig(decode_error: BaseException | None = None, recv_bytes: int = 1 << 20, **
         if decode_error is not None:
             raise decode_error
         decoded.append((load.request_id, tuple(layers)))
+        return DoneDecode(layers)
 
     def nbytes(layer: int, tokens: int, index: int) -> int:
         return codec.encoded_nbytes(layer, tokens, HEADS, index * BS)
@@ -200,24 +121,6 @@ def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases(
     assert report.wire_bytes == sum(x.nbytes for x in r.transport.reads)
 
 
-def test_groups_that_land_together_are_one_decode_call_and_a_later_one_its_own():
-    r = rig()
-    r.loader.coalesce_idle = False  # two READs in flight to the end (a slow link's pattern)
-    r.loader.start([request()])
-    r.loader.results()
-    first, second = r.transport.reads
-    second.current = TransferState.DONE  # out of order: nothing to decode before group 0
-    r.loader.results()
-    assert not r.decoded
-    first.current = TransferState.DONE
-    r.loader.results()  # groups 0-1 in one call; groups 2-3 posted meanwhile
-    assert [layers for _, layers in r.decoded] == [(0, 1)]
-    third = r.transport.reads[2]
-    third.current = TransferState.DONE
-    r.loader.results()
-    assert [layers for _, layers in r.decoded] == [(0, 1), (2,)]
-    assert drive(r) == ({"r1"}, set())
-    assert [layers for _, layers in r.decoded] == [(0, 1), (2,), (3,)]
 
 
 def test_landed_read_handles_are_released_after_their_decode_is_launched():
@@ -281,19 +184,14 @@ def rest_in_one_read(r: Rig) -> tuple[FakeTransfer, list[int]]:
 def test_the_rest_goes_out_in_one_read_carrying_every_group_left_released_once():
     r = rig()
     rest, released = rest_in_one_read(r)
-    sizes = r.loader._jobs[0].group_descs
+    rows = r.loader._jobs[0].rows
+    sizes = [rows.group(g) for g in range(len(rows.group_rows) - 1)]
     assert rest.nbytes == int(sizes[2][0][:, 1].sum() + sizes[3][0][:, 1].sum())
     assert drive(r) == ({"r1"}, set())
     assert [lay for _, lay in r.decoded] == [(0, 1), (2, 3)] and released == [1]
     assert r.ranges.free_bytes == r.ranges.capacity
 
 
-def test_merge_landed_off_hands_the_groups_of_one_read_over_together_released_once():
-    r = rig()
-    r.loader.merge_landed = False
-    rest, released = rest_in_one_read(r)
-    assert drive(r) == ({"r1"}, set())
-    assert [lay for _, lay in r.decoded] == [(0,), (1,), (2, 3)] and released == [1]
 
 
 def test_a_failed_read_carrying_several_groups_fails_the_load_and_is_released_once():
@@ -307,7 +205,6 @@ def test_a_failed_read_carrying_several_groups_fails_the_load_and_is_released_on
 
 def test_a_pending_read_carrying_several_groups_is_quarantined_once():
     r = rig(decode_error=BlockIndexError("block 9 out of range"))
-    r.loader.coalesce_idle = True
     r.loader.start([request()])
     r.loader.results()  # the handshake's answer: the first two READs go out
     for x in r.transport.reads:
@@ -321,13 +218,6 @@ def test_a_pending_read_carrying_several_groups_is_quarantined_once():
     assert not r.loader._quarantine and r.ranges.free_bytes == r.ranges.capacity
 
 
-def test_merge_landed_off_decodes_one_group_per_call():
-    r = rig()
-    r.loader.merge_landed = False
-    r.loader.coalesce_idle = False  # a READ per group: a decode call per group
-    r.loader.start([request()])
-    assert drive(r) == ({"r1"}, set())
-    assert [layers for _, layers in r.decoded] == [(0,), (1,), (2,), (3,)]
 
 
 def test_no_more_than_two_reads_are_on_the_wire():
@@ -560,7 +450,7 @@ def test_a_quarantined_range_is_not_reused_while_a_read_may_still_write():
 
     def spy(load, layers, recv_offset, chunk_offsets):
         offsets.append((load.request_id, recv_offset))
-        original(load, layers, recv_offset, chunk_offsets)
+        return original(load, layers, recv_offset, chunk_offsets)
 
     r.loader._decode = spy
     # a second load while the stale READ is on the wire: it lands in a disjoint range
@@ -750,7 +640,8 @@ def test_a_claim_or_handshake_that_times_out_is_sent_again_while_the_lease_may_h
 def test_a_claim_that_keeps_timing_out_fails_the_load_once_the_lease_window_has_passed():
     r = rig(handshake_timeout_seconds=0.2, lease_seconds=1)
     r.client.heartbeat = _times_out(10**6, r.client.heartbeat)
-    r.loader.start([request()])
+    # the retry window is the prefill's lease, carried on the load (its params)
+    r.loader.start([dataclasses.replace(request(), lease_seconds=1)])
     t0 = time.monotonic()
     failed: set[str] = set()
     while not failed and time.monotonic() - t0 < 10:

@@ -1,6 +1,7 @@
-"""The store path's batched save (``StoreWorker._save_on_side_stream``, the CUDA engines' path:
+"""The store path's batched save (the CUDA coder's ``encode_chunks``, the CUDA engines' path:
 every chunk of a step in one plan, stored by a background thread) writes the same blobs as the
-chunk-by-chunk path, here on CPU under Triton's interpreter (forced; inline, no streams)."""
+host coder's chunk-by-chunk path, here on CPU under Triton's interpreter (forced; inline, no
+streams)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import threading  # noqa: E402
 import torch  # noqa: E402
 
 from turbowire.codec import Codec  # noqa: E402
+from turbowire.connector.coder import make_coder  # noqa: E402
 from turbowire.connector.config import TurboWireConfig  # noqa: E402
 from turbowire.connector.geometry import KVGeometry, LayerSpec  # noqa: E402
 from turbowire.connector.metadata import StoreChunk, StoreSave  # noqa: E402
@@ -74,13 +76,12 @@ def test_batched_store_save_writes_the_chunk_by_chunk_blobs():
     blobs = []
     for batched in (True, False):
         store = MemoryStore()
-        w = StoreWorker(cfg, geometry, Codec("tq4", DIM, LAYERS), scope, 0, caches,
-                        TurboWireConnectorStats(), store=store, directory=None)
-        if batched:
-            w._gpu_saves = True  # what CUDA caches get (kernels under the interpreter here)
-            w.save(saves)
-        else:
-            w._save_each(saves)
+        codec = Codec("tq4", DIM, LAYERS)
+        # the CUDA coder is what CUDA caches get (kernels under the interpreter here)
+        coder = make_coder(codec, geometry, caches, kind="cuda" if batched else "host")
+        w = StoreWorker(cfg, geometry, codec, scope, 0, caches, TurboWireConnectorStats(),
+                        store=store, directory=None, coder=coder)
+        w.save(saves)
         w.close()  # waits for the background stores
         blobs.append(store.blobs)
         if batched:

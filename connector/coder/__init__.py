@@ -1,0 +1,79 @@
+"""One cache coder per worker, chosen once (``make_coder``), shared by the P2P path (the
+worker's saves into staging and the loader's decodes) and the store path (blobs).
+
+* ``base``: what a coder is (``CacheCoder``), the loader's ``PendingDecode`` handles, the
+  ``ChunkOffsets`` of a load, the store's ``BlobPlan`` and ``check_sizes``;
+* ``cuda`` (+ ``cuda_load``, ``cuda_graphs``): Triton plans on side streams, decodes captured
+  into CUDA graphs, no host synchronisation on the save path;
+* ``host``: the kernels' per-layer calls (C codec, reference), bytes final on return.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from turbowire.connector.coder.base import (
+    BlobPlan,
+    CacheCoder,
+    ChunkOffsets,
+    EncodedBlobs,
+    PendingDecode,
+    check_sizes,
+)
+from turbowire.connector.coder.cuda import CudaCoder
+from turbowire.connector.coder.host import HostCoder
+from turbowire.kernels import cuda_serves
+
+if TYPE_CHECKING:
+    import torch
+
+    from turbowire.codec import Codec
+    from turbowire.connector.caches import EngineCaches
+    from turbowire.connector.geometry import KVGeometry, StagingLayout
+
+__all__ = [
+    "BlobPlan",
+    "CacheCoder",
+    "ChunkOffsets",
+    "CudaCoder",
+    "EncodedBlobs",
+    "HostCoder",
+    "PendingDecode",
+    "check_sizes",
+    "make_coder",
+]
+
+
+def make_coder(
+    codec: Codec,
+    geometry: KVGeometry,
+    caches: EngineCaches,
+    *,
+    layout: StagingLayout | None = None,
+    staging: torch.Tensor | None = None,
+    recv: torch.Tensor | None = None,
+    chunk_nbytes: Any = None,
+    save_schedule: str = "layerwise",
+    kernel_config: Any = "auto",
+    kind: Literal["auto", "cuda", "host"] = "auto",
+) -> CudaCoder | HostCoder:
+    """The coder of one worker's caches: the CUDA coder where the Triton plans serve every cache
+    (``turbowire.kernels.cuda_serves``), else the host coder. ``kind`` forces one (tests run the
+    CUDA coder on CPU under Triton's interpreter: launched inline, no streams).
+    ``save_schedule``: ``layerwise`` encodes each layer from ``save_layer``, ``after_forward``
+    every layer in ``finish_save``. ``chunk_nbytes(layer, tokens, block_index)``: the exact
+    size of a chunk (``encoded_nbytes``, cached by the caller)."""
+    if chunk_nbytes is None:
+        def chunk_nbytes(layer: int, tokens: int, block_index: int) -> int:
+            heads = geometry.layers[layer].num_kv_heads
+            return int(codec.encoded_nbytes(layer, tokens, heads,
+                                            block_index * geometry.block_size))
+    if kind == "auto":
+        kind = "cuda" if cuda_serves(codec, caches.tensors) else "host"
+    if kind == "cuda":
+        return CudaCoder(codec, geometry, caches, layout, staging, recv, chunk_nbytes,
+                         mode="layer" if save_schedule == "layerwise" else "batched",
+                         kernel_config=kernel_config)
+    if kind != "host":
+        raise ValueError(f"kind must be auto, cuda or host, got {kind!r}")
+    return HostCoder(codec, geometry, caches, layout, staging, recv, chunk_nbytes)

@@ -1,0 +1,194 @@
+"""The host coder: the kernels' per-layer calls (``turbowire.kernels.encode_into`` ...), which
+pick the C codec or the reference for CPU caches (and Triton for CUDA caches the plans do not
+serve). Every call returns once its bytes are written: a save is final when ``finish_save``
+returns, a decode when ``decode`` does (its handle is done at once).
+
+The store path's kernel calls live here too (``encode_blobs``, ``decode_stored``): the CUDA
+coder falls back to them for a step its plan refused, and the store decodes a fetched chunk
+with them on either coder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from turbowire.connector import probe
+from turbowire.connector.coder.base import BlobPlan, ChunkOffsets, DoneDecode, check_sizes
+from turbowire.errors import TurboWireError
+from turbowire.kernels import (
+    BlockIndexError,
+    DecodeItem,
+    EncodeItem,
+    decode_into,
+    decode_layers_into,
+    decode_tail_into,
+    encode_into,
+    encode_layers_into,
+)
+
+if TYPE_CHECKING:
+    from turbowire.codec import Codec
+    from turbowire.connector.caches import EngineCaches
+    from turbowire.connector.geometry import KVGeometry, StagingLayout
+    from turbowire.connector.metadata import LoadRequest, SaveRequest
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Wait for what the current stream queued (CUDA): the bytes are final once it returns."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class HostBlobs:
+    """Store blobs encoded inline: ready when ``encode_chunks`` returns."""
+
+    background = False
+
+    def __init__(self, results: list[tuple[bytes | BaseException, float]]) -> None:
+        self.results = results
+
+    def wait(self) -> list[tuple[bytes | BaseException, float]]:
+        return self.results
+
+
+def encode_blobs(codec: Codec, caches: EngineCaches, plan: BlobPlan) -> HostBlobs:
+    """Each chunk of ``plan`` into its own blob, one chunk at a time: a chunk the kernels refuse
+    (``TurboWireError``) is reported and the others go on."""
+    results: list[tuple[bytes | BaseException, float]] = []
+    device = caches.device
+    for n, start in enumerate(plan.token_start):
+        t0 = time.perf_counter()
+        blob = torch.zeros(plan.blob_nbytes[n], dtype=torch.uint8, device=device)
+        ids = plan.block_ids[plan.request[n]]
+        jobs = [(layer, caches.tensors[layer], caches.layouts[layer],
+                 [EncodeItem(ids, start, plan.num_tokens, off, plan.tags[n])])
+                for layer, off in enumerate(plan.layer_offsets[n])]
+        try:
+            written = encode_layers_into(codec, jobs, blob,
+                                         kv_scales=[caches.kv_scales(j[0]) for j in jobs])
+        except TurboWireError as exc:
+            results.append((exc, time.perf_counter() - t0))
+            continue
+        check_sizes([w[0] for w in written], plan.layer_nbytes[n], None, -1)
+        results.append((bytes(blob.cpu().numpy()), time.perf_counter() - t0))
+    return HostBlobs(results)
+
+
+def decode_stored(codec: Codec, caches: Any, block_ids: Sequence[int], token_start: int,
+                  num_tokens: int, chunks: Sequence[tuple[int, int]], tag: int,
+                  source: torch.Tensor, skip: int) -> int:
+    """Decode one stored chunk's layer chunks (``(offset, bytes)`` in ``source``, checked by
+    the caller) into the caches; ``skip`` tokens at its start are vLLM's own (not written).
+    The tokens written."""
+    if caches.device.type != "cpu":
+        source = source.to(caches.device)
+    items = [DecodeItem(block_ids, token_start, num_tokens, off, size, tag)
+             for off, size in chunks]
+    if skip > 0:  # starts inside vLLM's own prefix cache: write only the tail
+        for layer, item in enumerate(items):
+            decode_tail_into(codec, layer, caches.tensors[layer], caches.layouts[layer], item,
+                             source, skip, kv_scales=caches.kv_scales(layer))
+        return num_tokens - skip
+    jobs = [(layer, caches.tensors[layer], caches.layouts[layer], [item])
+            for layer, item in enumerate(items)]
+    decode_layers_into(codec, jobs, source,
+                       kv_scales=[caches.kv_scales(layer) for layer in range(len(jobs))])
+    return num_tokens
+
+
+class HostCoder:
+    """Encode and decode through the kernels' per-layer calls (see the module)."""
+
+    def __init__(self, codec: Codec, geometry: KVGeometry, caches: EngineCaches,
+                 layout: StagingLayout | None, staging: torch.Tensor | None,
+                 recv: torch.Tensor | None, chunk_nbytes: Any) -> None:
+        self.codec = codec
+        self.geometry = geometry
+        self.caches = caches
+        self.layout = layout
+        self.staging = staging
+        self.recv = recv
+        self.chunk_nbytes = chunk_nbytes
+        self.device = caches.device
+        self._done: set[int] = set()  # layers of the step encoded so far
+        self._seconds = 0.0
+        self._steps: list[float] = []
+
+    # ------------------------------------------------------------------ save
+    def save_layer(self, layer: int, meta: Any) -> None:
+        with probe.mark("coder.save_layer"):
+            self._encode_layer(layer, meta.saves)
+
+    def finish_save(self, meta: Any) -> tuple[int, int]:
+        with probe.mark("coder.finish_save"):
+            for layer in range(self.geometry.num_layers):
+                if layer not in self._done:
+                    self._encode_layer(layer, meta.saves)
+            wait_for_device(self.device)
+        tokens = wire = 0
+        for save in meta.saves:
+            for block in save.blocks:
+                tokens += block.num_tokens
+                wire += sum(self.chunk_nbytes(layer, block.num_tokens, block.index)
+                            for layer in range(self.geometry.num_layers))
+        self._done.clear()
+        self._steps.append(self._seconds)
+        self._seconds = 0.0
+        return tokens, wire
+
+    def encode_seconds(self) -> list[float]:
+        steps, self._steps = self._steps, []
+        return steps
+
+    def _encode_layer(self, layer: int, saves: Sequence[SaveRequest]) -> None:
+        assert self.staging is not None and self.layout is not None
+        items, promised = [], []
+        bs = self.geometry.block_size
+        for save in saves:
+            for block in save.blocks:
+                items.append(EncodeItem(block_ids=save.block_ids, token_start=block.index * bs,
+                                        num_tokens=block.num_tokens,
+                                        out_offset=self.layout.chunk_offset(block.slot, layer),
+                                        tag=block.tag))
+                promised.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
+        t0 = time.perf_counter()
+        written = encode_into(self.codec, layer, self.caches.tensors[layer],
+                              self.caches.layouts[layer], items, self.staging,
+                              kv_scales=self.caches.kv_scales(layer))
+        self._seconds += time.perf_counter() - t0
+        check_sizes(written, promised, self.layout.full_chunk_bytes[layer], layer)
+        self._done.add(layer)
+
+    # ------------------------------------------------------------------ load
+    def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> None:
+        """Nothing to get ready: each group decodes when it lands."""
+
+    def decode(self, load: LoadRequest, layers: range, recv_offset: int,
+               chunks: ChunkOffsets) -> DoneDecode:
+        """Verify and decode the chunks of ``layers`` now; the handle is done."""
+        assert self.recv is not None
+        bs = self.geometry.block_size
+        table = load.block_ids
+        for block in load.blocks:
+            if block.index >= len(table) or table[block.index] != block.block_id:
+                raise BlockIndexError(f"block table does not map block {block.index}")
+        for layer in layers:
+            items = []
+            for bi, block in enumerate(load.blocks):
+                off, size = chunks[(bi, layer)]
+                items.append(DecodeItem(block_ids=table, token_start=block.index * bs,
+                                        num_tokens=block.num_tokens, in_offset=recv_offset + off,
+                                        nbytes=size, expected_tag=block.tag))
+            decode_into(self.codec, layer, self.caches.tensors[layer],
+                        self.caches.layouts[layer], items, self.recv,
+                        kv_scales=self.caches.kv_scales(layer))
+        wait_for_device(self.device)
+        return DoneDecode(layers)
+
+    # ------------------------------------------------------------------ store
+    def encode_chunks(self, plan: BlobPlan) -> HostBlobs:
+        return encode_blobs(self.codec, self.caches, plan)
