@@ -264,7 +264,7 @@ _TABLE_RE = re.compile(re.escape(TABLE_BEGIN) + r"\n(.*?)\n" + re.escape(TABLE_E
 
 
 def readme_table(readme: str) -> str | None:
-    """The table between the README markers, or None when the markers are missing."""
+    """The table between the page's markers, or None when the markers are missing."""
     m = _TABLE_RE.search(readme)
     return m.group(1) if m else None
 

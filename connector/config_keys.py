@@ -79,10 +79,10 @@ Derive = Callable[[Mapping[str, Any], Mapping[str, str]], Any]
 
 @dataclass(frozen=True)
 class ConfigKey:
-    """One ``kv_connector_extra_config`` key: everything the code and the README say about it.
+    """One ``kv_connector_extra_config`` key: everything the code and the docs say about it.
 
     ``derive`` computes the default from the other keys' values and the environment when the key
-    is absent (``default_doc`` then says so in the README); ``stored`` is False for keys that only
+    is absent (``default_doc`` then says so in the docs); ``stored`` is False for keys that only
     steer the parsing and are not kept in ``TurboWireConfig``.
     """
 
@@ -100,7 +100,7 @@ class ConfigKey:
         return self.factory() if self.factory is not None else self.default
 
     def rendered_doc(self) -> str:
-        """The README "meaning" cell: ``doc`` with the codec's preset names filled in (imported
+        """The table's "meaning" cell: ``doc`` with the codec's preset names filled in (imported
         here only: the codec loads torch, the config must not)."""
         if PRESET_LIST not in self.doc:
             return self.doc

@@ -1,5 +1,5 @@
 """The value kinds of ``kv_connector_extra_config`` keys: how a value is parsed, bounded and
-described in the README (``config_keys.CONFIG_KEYS`` gives each key its kind)."""
+described in docs/configuration.md (``config_keys.CONFIG_KEYS`` gives each key its kind)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def parse_size(key: str, value: Any) -> int:
 
 
 def format_size(n: int) -> str:
-    """The shortest exact binary-unit spelling of ``n`` ("256MiB"), as the README shows sizes."""
+    """The shortest exact binary-unit spelling of ``n`` ("256MiB"), as the docs show sizes."""
     for suffix, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n and n % mult == 0:
             return f"{n // mult}{suffix}"
@@ -79,10 +79,10 @@ class ValueKind(abc.ABC):
 
     @abc.abstractmethod
     def describe(self) -> str:
-        """The README "values" cell: the type and what is allowed."""
+        """The docs table's "values" cell: the type and what is allowed."""
 
     def show(self, value: Any) -> str:
-        """A value as the README default column spells it (inside backticks)."""
+        """A value as the docs table's default column spells it (inside backticks)."""
         return json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
 
 
