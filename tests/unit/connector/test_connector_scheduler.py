@@ -223,7 +223,7 @@ def test_malformed_lease_seconds_is_recomputed_not_raised_in_the_engine_loop(lea
     req = request("d7", 100, _remote_params(100, turbowire_lease_seconds=lease))
     sched.on_new_request(req)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert not sched._heartbeats  # nothing to heartbeat for a refused request
+    assert not sched.receiver.heartbeats  # nothing to heartbeat for a refused request
     counters = sched.get_stats().data["counters"]
     assert any("reason=bad_params" in k for k in counters)
     sched.shutdown()
@@ -233,7 +233,7 @@ def test_heartbeat_interval_follows_the_parsed_lease():
     sched = make_scheduler()
     req = request("d8", 100, _remote_params(100, turbowire_lease_seconds=6))
     sched.on_new_request(req)
-    assert sched._heartbeats["d8"].interval == pytest.approx(2.0)
+    assert sched.receiver.heartbeats["d8"].interval == pytest.approx(2.0)
     sched.shutdown()
 
 
@@ -350,7 +350,7 @@ def test_cleanup_request_after_a_failed_load_is_not_a_prompt_mismatch():
 
     cleanup = _cleanup_request("d1", params)
     sched.on_new_request(cleanup)
-    assert not sched._heartbeats  # nothing to wait for
+    assert not sched.receiver.heartbeats  # nothing to wait for
     assert sched.request_finished(cleanup, []) == (False, None)
     assert not step(sched, {}).loads  # no second release of the same lease
     assert _failure_counts(sched) == {}
@@ -398,7 +398,7 @@ def test_prefill_issues_a_lease_token_the_decode_side_presents(prefill):
     decode = make_scheduler()
     req = request("d-victim", 64, params)
     decode.on_new_request(req)
-    target = decode._heartbeats["d-victim"]
+    target = decode.receiver.heartbeats["d-victim"]
     assert target.remote_request_id == "victim" and target.lease_token == token
     assert token not in repr(target)
     assert decode.get_num_new_matched_tokens(req, 0) == (64, True)
@@ -416,7 +416,7 @@ def test_forged_params_naming_a_live_request_do_not_release_it(prefill, forged_t
     remote_request_id: before, the decode engine refused the load (prompt_mismatch) and released
     the victim's lease, so the victim recomputed. Now the release carries the forged params'
     token, which is not the victim's: the prefill engine keeps the lease and counts the refusal."""
-    from turbowire.connector.scheduler import _GaugedLeases
+    from turbowire.connector.sender import GaugedLeases
 
     sched, mgr = prefill
     victim = _finish_prefill(sched, mgr, "victim")
@@ -438,27 +438,27 @@ def test_forged_params_naming_a_live_request_do_not_release_it(prefill, forged_t
         # what the decode worker sends over the side channel: refused (held, not the caller's)
         rid, token = load.remote_request_id, load.lease_token
         assert rid == "victim" and token == forged["turbowire_lease_token"]
-        assert _GaugedLeases(sched).release([rid], 0, [token]) == ([], ["victim"], ["victim"])
-        assert _GaugedLeases(sched).heartbeat([rid], [token]) == ([], ["victim"], ["victim"])
+        assert GaugedLeases(sched.sender).release([rid], 0, [token]) == ([], ["victim"], ["victim"])
+        assert GaugedLeases(sched.sender).heartbeat([rid], [token]) == ([], ["victim"], ["victim"])
     assert sched.pool.has_lease("victim")  # the victim still gets its KV
     failures = _failure_counts(sched)
     # a wrong token is counted once per lease by the reason the decode side reports it with
     assert failures == ({"failures|reason=lease_refused": 1} if forged_token is not None
                         else {})
     # the real holder releases it
-    assert _GaugedLeases(sched).release(["victim"], 0, [victim["turbowire_lease_token"]]) == (
+    assert GaugedLeases(sched.sender).release(["victim"], 0, [victim["turbowire_lease_token"]]) == (
         ["victim"], [], [])
     decode.shutdown()
 
 
 def test_a_release_without_token_is_counted_as_an_older_peer(prefill):
-    from turbowire.connector.scheduler import _GaugedLeases
+    from turbowire.connector.sender import GaugedLeases
 
     sched, mgr = prefill
     _finish_prefill(sched, mgr, "r1")
     sched.get_stats()
     for _ in range(3):  # an old decode engine heartbeats repeatedly: counted once
-        assert _GaugedLeases(sched).heartbeat(["r1"], [""]) == ([], ["r1"], ["r1"])
+        assert GaugedLeases(sched.sender).heartbeat(["r1"], [""]) == ([], ["r1"], ["r1"])
     counters = sched.get_stats().data["counters"]
     assert {k: v for k, v in counters.items() if k.startswith("failures|")} == {
         "failures|reason=incompatible": 1}
@@ -582,7 +582,7 @@ def test_an_idle_cpu_engine_does_not_spin_while_a_lease_is_out():
 
 
 def test_gauges_follow_a_release_made_on_a_side_channel_thread_after_the_last_step(prefill):
-    from turbowire.connector.scheduler import _GaugedLeases
+    from turbowire.connector.sender import GaugedLeases
 
     sched, mgr = prefill
     reg, prom = _exporter()
@@ -590,7 +590,7 @@ def test_gauges_follow_a_release_made_on_a_side_channel_thread_after_the_last_st
     _engine_step(sched, prom)
     assert _exported(reg)["turbowire_leases_outstanding"] == 1
     done = []
-    t = threading.Thread(target=lambda: done.append(_GaugedLeases(sched).release(
+    t = threading.Thread(target=lambda: done.append(GaugedLeases(sched.sender).release(
         ["r1"], 0, [params["turbowire_lease_token"]])))
     t.start()
     t.join()

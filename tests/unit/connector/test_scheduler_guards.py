@@ -28,7 +28,8 @@ from turbowire.connector.params import (
     params_mac_key,
     prompt_digest,
 )
-from turbowire.connector.scheduler import TurboWireScheduler, _GaugedLeases
+from turbowire.connector.scheduler import TurboWireScheduler
+from turbowire.connector.sender import GaugedLeases
 
 BS = 32
 TOKEN = "shared-token-123"
@@ -117,7 +118,7 @@ def test_a_mapping_is_left_alone():
                                                        {"do_remote_decode": True}})
     facade(sched).on_new_request(req)
     assert req.kv_transfer_params == {"do_remote_decode": True}
-    assert "r-ok" in sched._send and counters(sched) == {}
+    assert "r-ok" in sched.sender.sending and counters(sched) == {}
     sched.shutdown()
 
 
@@ -196,7 +197,7 @@ def test_a_load_that_could_not_be_planned_is_reported_failed_not_left_waiting(mo
     req = vllm_request("d1", list(range(64)), params)
     conn.on_new_request(req)
     assert conn.get_num_new_matched_tokens(req, 0) == (64, True)
-    monkeypatch.setattr(sched, "_remote_total", _boom)
+    monkeypatch.setattr(sched.receiver, "remote_total", _boom)
     conn.update_state_after_alloc(req, _blocks([1, 2], 0), 64)
     (load,) = step(sched, {}).loads
     assert isinstance(load, LoadRequest) and load.fail_reason == "internal"
@@ -240,15 +241,15 @@ class NoDial:
 
 
 def _nothing_dialed(sched: TurboWireScheduler, req: Request) -> None:
-    sched._clients = NoDial()
+    sched.receiver.clients = NoDial()
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     sched.update_state_after_alloc(req, _blocks([1, 2], 0), 0)
     assert step(sched, {}).loads == []  # not even a release
     req.status = RequestStatus.FINISHED_STOPPED
     sched.request_finished(req, [1, 2])
     assert step(sched, {}).loads == []
-    assert req.request_id not in sched._heartbeats
-    sched._send_heartbeats()
+    assert req.request_id not in sched.receiver.heartbeats
+    sched.receiver.send_heartbeats()
 
 
 KEY = params_mac_key(TOKEN)
@@ -283,7 +284,7 @@ def test_signed_params_load_and_the_claim_carries_this_engines_prompt():
     prompt = list(range(64))
     req = vllm_request("d1", prompt, _decode_params(64, key=KEY))
     sched.on_new_request(req)
-    assert sched._heartbeats["d1"].prompt == (prompt_digest(prompt, 64), 64)
+    assert sched.receiver.heartbeats["d1"].prompt == (prompt_digest(prompt, 64), 64)
     assert sched.get_num_new_matched_tokens(req, 0) == (64, True)
     sched.update_state_after_alloc(req, _blocks([1, 2], 0), 64)
     (load,) = step(sched, {}).loads
@@ -373,7 +374,7 @@ def test_the_forged_hash_case_without_a_token_is_refused_by_the_prefill_engine()
     decode.update_state_after_alloc(victim, _blocks([5, 6], 0), 45)
     (load,) = step(decode, {}).loads
     assert (load.prompt_digest, load.prompt_tokens) == (prompt_digest(p, 45), 45)
-    leases = _GaugedLeases(prefill)
+    leases = GaugedLeases(prefill.sender)
     for _ in range(2):  # the claim, then a heartbeat: refused both times, counted once
         answer = leases.heartbeat([load.remote_request_id], [load.lease_token],
                                   [(load.prompt_digest, load.prompt_tokens)])
@@ -412,22 +413,22 @@ class SlowPeers:
 def test_heartbeats_go_to_each_peer_on_its_own_thread():
     sched = make("kv_consumer")
     peers = SlowPeers()
-    sched._clients = peers
+    sched.receiver.clients = peers
     for rid, host in [("d-hung", "hung.example"), ("d-ok", "127.0.0.1")]:
         req = vllm_request(rid, list(range(64)), _decode_params(64, remote_host=host))
         sched.on_new_request(req)
-        sched._heartbeats[rid].last_sent = 0.0  # due now
+        sched.receiver.heartbeats[rid].last_sent = 0.0  # due now
     try:
         t0 = time.monotonic()
-        sched._send_heartbeats()
+        sched.receiver.send_heartbeats()
         assert time.monotonic() - t0 < 0.5  # the maintenance thread never waits on a peer
         deadline = time.monotonic() + 5
         while not any(h == "127.0.0.1" for h, _, _ in peers.calls):
             assert time.monotonic() < deadline, "the healthy peer's heartbeat never went out"
             time.sleep(0.01)
-        for rid in sched._heartbeats:
-            sched._heartbeats[rid].last_sent = 0.0
-        sched._send_heartbeats()  # the hung peer's last one is still on the wire: skipped
+        for rid in sched.receiver.heartbeats:
+            sched.receiver.heartbeats[rid].last_sent = 0.0
+        sched.receiver.send_heartbeats()  # the hung peer's last one is still on the wire: skipped
         deadline = time.monotonic() + 5
         while sum(h == "127.0.0.1" for h, _, _ in peers.calls) < 2:
             assert time.monotonic() < deadline
@@ -443,10 +444,10 @@ def test_a_mismatched_or_refused_lease_is_not_heartbeated_again():
     sched = make("kv_consumer")
     req = vllm_request("d1", list(range(64)), _decode_params(64))
     sched.on_new_request(req)
-    target = sched._heartbeats["d1"]
-    sched._heartbeat_answered("127.0.0.1", 5700, [target], SimpleNamespace(
+    target = sched.receiver.heartbeats["d1"]
+    sched.receiver.heartbeat_answered("127.0.0.1", 5700, [target], SimpleNamespace(
         done=[], unknown=["p-req"], refused=[], prompt_mismatch=["p-req"]))
-    assert "d1" not in sched._heartbeats
+    assert "d1" not in sched.receiver.heartbeats
     sched.shutdown()
 
 
