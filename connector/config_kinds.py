@@ -342,7 +342,7 @@ class PeerList(ValueKind):
         return entries
 
     def check(self, key: str, value: Any) -> None:
-        from turbowire.connector.params import PeerAllowlist, PeerAllowlistError
+        from turbowire.connector.peers import PeerAllowlist, PeerAllowlistError
 
         if isinstance(value, str) or not isinstance(value, Sequence):
             raise ConnectorConfigError(f"{key} must be a list of CIDRs, IPs or host names")

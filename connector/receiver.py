@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 from turbowire.connector.geometry import block_tag, blocks_for_tokens, tokens_in_block
 from turbowire.connector.metadata import LoadBlock, LoadReport, LoadRequest, PeerAddress
 from turbowire.connector.params import (
-    PeerAllowlist,
     PeerNotAllowedError,
     RemotePrefill,
     TransferParamsError,
     prompt_digest,
 )
+from turbowire.connector.peers import PeerAllowlist
 from turbowire.connector.speculative import remote_prefill_tokens
 from turbowire.connector.staging import PromptClaim
 

@@ -1477,12 +1477,8 @@ def signed_params(draw: Any) -> tuple[dict[str, Any], dict[str, Any], list[str]]
     case=signed_params(),
 )
 def params_mac_verify(case: tuple[dict[str, Any], dict[str, Any], list[str]]) -> None:
-    from turbowire.connector.params import (
-        RemotePrefill,
-        TransferParamsError,
-        ip_literal,
-        params_mac_key,
-    )
+    from turbowire.connector.params import RemotePrefill, TransferParamsError, params_mac_key
+    from turbowire.connector.peers import ip_literal
 
     params, signed, ops = case
     note(f"ops={ops}")
@@ -1532,7 +1528,7 @@ def peer_entries(draw: Any) -> list[Any]:
                              st.integers(-1, 70000)), max_size=6),
 )
 def peer_allowlist(entries: list[Any], hosts: list[tuple[str, int]]) -> None:
-    from turbowire.connector.params import (
+    from turbowire.connector.peers import (
         PeerAllowlist,
         PeerAllowlistError,
         ip_literal,

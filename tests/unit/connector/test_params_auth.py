@@ -13,19 +13,17 @@ import pytest
 from turbowire.connector.params import (
     MAC_FIELDS,
     PARAMS_MAC_FIELD,
-    PeerAllowlist,
-    PeerAllowlistError,
     RemotePrefill,
     TransferParamsError,
     UnauthenticatedParamsError,
     canonical_params,
-    is_valid_host,
     mac_fields,
     params_mac,
     params_mac_key,
     prefill_result,
     prompt_digest,
 )
+from turbowire.connector.peers import PeerAllowlist, PeerAllowlistError, is_valid_host
 
 TOKEN = "shared-token-123"
 LEASE = "ab" * 16
