@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv lint test test-matrix test-unit fuzz soak demo eval bench-kernels bench-e2e bench-gpu-path bench-block-chunks clean
+.PHONY: setup system-deps venv lint test test-matrix test-unit fuzz soak demo eval bench-kernels bench-e2e bench-gpu-path bench-block-chunks gpu-install clean
 
 # build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
 APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
@@ -72,7 +72,7 @@ test-unit: venv
 # (tests/unit/test_fuzz_slice.py).
 FUZZ_SECONDS ?= 300
 fuzz: venv
-	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS)
+	PYTHONPATH=tests $(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
 # soak: SOAK_REQUESTS seeded requests at concurrency 8 through the proxy to a prefill + decode
 # pair, client aborts included; exits 1 when a leak bound is violated (CI runs a 100-request
@@ -95,20 +95,37 @@ demo: setup
 bench-e2e: setup
 	$(VENV)/bin/turbowire --log-level INFO bench e2e --out bench/e2e/out $(BENCH_E2E_ARGS)
 
-# Triton codec kernels on a CUDA GPU (the H200 machine: its python3 has torch + triton; no venv
-# or install needed): bit-exactness vs the reference on the GPU, then the throughput table.
-bench-kernels:
-	$(if $(wildcard $(PY)),$(PY),python3) bench/kernels.py --out $${OUT:-bench/results/kernels} $(BENCH_KERNELS_ARGS)
+# The benchmarks run from the repository root as modules (python -m bench.X) against the installed
+# package: the venv's editable install, or on the GPU machine (python3 with torch + triton, no venv,
+# no network) `make gpu-install`, an offline install into GPU_SITE without dependencies or the C
+# codec. There PYTHONSAFEPATH=1 keeps the repository root off the front of sys.path, so that its
+# turbowire/ folder (codec/ and kernels/ are remapped into the package, not inside it) does not
+# shadow the installed package; the root comes after GPU_SITE, for `bench`.
+GPU_SITE ?= /tmp/turbowire-site
+BENCH_PY := $(if $(wildcard $(PY)),$(PY),PYTHONSAFEPATH=1 PYTHONPATH=$(GPU_SITE):. python3)
+GPU_INSTALL := $(if $(wildcard $(PY)),,gpu-install)
+
+gpu-install:
+	rm -rf build $(GPU_SITE)
+	TURBOWIRE_SKIP_C_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+	  --target $(GPU_SITE) .
+
+# Triton codec kernels on a CUDA GPU (the H200 machine): bit-exactness vs the reference on the
+# GPU, then the throughput table. CPU smoke run (CI: tests/unit/test_bench_smoke.py):
+# TW_BENCH_SMOKE=1 python -m bench.kernels --out DIR
+bench-kernels: $(GPU_INSTALL)
+	$(BENCH_PY) -m bench.kernels --out $${OUT:-bench/results/kernels} $(BENCH_KERNELS_ARGS)
 
 # on the GPU machine: the connector's worker-side GPU path driven as vLLM's model runner drives it
-# (save path vs a stand-in forward, load path vs the one-launch decode; issue 18), ~5 min
-bench-gpu-path:
-	$(if $(wildcard $(PY)),$(PY),python3) bench/gpu_connector_path.py --out $${OUT:-bench/results/gpu_connector_path} $(BENCH_GPU_PATH_ARGS)
+# (save path vs a stand-in forward, load path vs the one-launch decode; issue 18), ~5 min. CPU
+# smoke run (CI: tests/unit/test_bench_gpu_path_smoke.py): TW_BENCH_SMOKE=1 python -m bench.gpu_path
+bench-gpu-path: $(GPU_INSTALL)
+	$(BENCH_PY) -m bench.gpu_path --out $${OUT:-bench/results/gpu_connector_path} $(BENCH_GPU_PATH_ARGS)
 
 # on the GPU machine: the encoder on the P2P path's one-block chunks, launch shapes side by side
 # (--configs), against 256-token chunks; ~2 min
-bench-block-chunks:
-	$(if $(wildcard $(PY)),$(PY),python3) bench/block_chunks.py --out $${OUT:-bench/results/block_chunks} $(BENCH_BLOCK_CHUNKS_ARGS)
+bench-block-chunks: $(GPU_INSTALL)
+	$(BENCH_PY) -m bench.block_chunks --out $${OUT:-bench/results/block_chunks} $(BENCH_BLOCK_CHUNKS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -4,7 +4,11 @@ The flags are part of the codec's contract: no FMA contraction, no fast-math (th
 must equal the reference's). ISA variants are chosen at run time inside the library, so the build
 itself targets the compiler's default CPU and the wheel runs anywhere. ``optional=True``: without
 a compiler the install still succeeds and CPU caches use the reference codec (one warning).
+``TURBOWIRE_SKIP_C_BUILD=1`` leaves the extension out altogether: the GPU machine's offline install
+(``make gpu-install``) needs only the Triton kernels, and may lack Python's headers.
 """
+
+import os
 
 from setuptools import Extension, setup
 
@@ -24,8 +28,10 @@ CFLAGS = [
     "-Wno-sign-compare",
 ]
 
+SKIP_C_BUILD = os.environ.get("TURBOWIRE_SKIP_C_BUILD") == "1"
+
 setup(
-    ext_modules=[
+    ext_modules=[] if SKIP_C_BUILD else [
         Extension(
             "turbowire.kernels._twcpu",
             sources=SOURCES,

@@ -5,8 +5,8 @@ subset of a request's blocks), 16x more chunks than the 256-token chunks of benc
 This bench measures, on one GPU and in one run, the Llama-3.1-8B slice (32 layers x 8 KV heads
 x hd128 x 4096 tokens, bf16, block size 16, shuffled block ids):
 
-* the encode of block-sized chunks with the connector's launch shape (``gpu_path.
-  default_kernel_config``) and variants of it (``--configs``: program order, warps, rows,
+* the encode of block-sized chunks with the connector's launch shape (``turbowire.kernels.
+  block_kernel_config``) and variants of it (``--configs``: program order, warps, rows,
   register caps);
 * the same slice in 256-token chunks with the default launch shape (bench/kernels.py's case),
   or any other chunk length (``t=``);
@@ -17,7 +17,8 @@ the first variant of the same chunk length and a few chunks to the reference cod
 ``--profile`` runs one batched launch per variant between cudaProfilerStart/Stop for Nsight
 Compute (``ncu --profile-from-start off``).
 
-``python3 bench/block_chunks.py --out DIR [--presets tq4,k4v3] [--configs "sm=0;sm=1"]``
+``python3 -m bench.block_chunks --out DIR [--presets tq4,k4v3] [--configs "sm=0;sm=1"]`` (from the
+repository root, against the installed package: ``make bench-block-chunks``).
 Smoke run on CPU (Triton interpreter, tiny shapes): ``TW_BENCH_SMOKE=1``.
 """
 
@@ -31,15 +32,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
 SMOKE = os.environ.get("TW_BENCH_SMOKE") == "1"
 if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-sys.path.insert(0, str(ROOT / "bench"))
-from source_tree import bootstrap_turbowire  # noqa: E402
-
-bootstrap_turbowire()
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -53,8 +48,8 @@ LAYERS, HEADS, DIM, TOKENS, BLOCK = 32, 8, 128, 4096, 16
 DEVICE = "cuda"
 if SMOKE:
     LAYERS, HEADS, TOKENS, DEVICE = 2, 2, 64, "cpu"
-# connector/gpu_path.default_kernel_config, its cap BLOCK_ENCODE_REGISTERS (not imported: the
-# connector package needs vLLM, absent on the GPU machine); runs before pass 9 had no cap;
+# turbowire.kernels.block_kernel_config, its cap BLOCK_ENCODE_REGISTERS (kernels/triton_common.py;
+# written out here as when it lived in the connector); runs before pass 9 had no cap;
 # ``regs=N`` sets max_registers, which overrides it
 CONNECTOR_SHAPE = dict(num_warps=2, tile_rows=16, encode_max_registers=96)
 

@@ -7,7 +7,7 @@ Each row changes one thing against its neighbours (same windows, same process):
 - boundary layers: tq3 against tq3 with its first/last 2 layers at tq4;
 - head_dim 256: one 256-point rotation vs two 128-point groups (synthetic, relative MSE).
 
-    python bench/codec_ablation.py --windows 16 --prompt-len 512
+    python -m bench.codec_ablation --windows 16 --prompt-len 512
 """
 
 from __future__ import annotations

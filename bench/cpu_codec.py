@@ -15,9 +15,9 @@ token in the last dim, unit-stride rows), and vLLM CPU attention's own placement
 
 Run pinned to one core (engines are pinned too)::
 
-    taskset -c 1 python bench/cpu_codec.py
-    taskset -c 1 python bench/cpu_codec.py --head-dims 128 --presets tq4,k8v4 --markdown
-    taskset -c 1 python bench/cpu_codec.py --layouts vec,amx --block-size 128 --markdown
+    taskset -c 1 python -m bench.cpu_codec
+    taskset -c 1 python -m bench.cpu_codec --head-dims 128 --presets tq4,k8v4 --markdown
+    taskset -c 1 python -m bench.cpu_codec --layouts vec,amx --block-size 128 --markdown
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Triton codec kernels on a CUDA GPU: bit-exactness against the reference, then throughput.
 
-Run on the GPU machine (``make bench-kernels`` or ``python3 bench/kernels.py --out DIR``):
+Run on the GPU machine (``make bench-kernels``, or ``python3 -m bench.kernels --out DIR`` from the
+repository root against the installed package; bench/README.md says how on a machine without a
+venv):
 
 1. Correctness, each configuration in its own process (a faulting kernel cannot poison the rest;
    the processes also compile the kernels in parallel): for every preset x head_dim 64/128/256 x
@@ -33,15 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("TW_BENCH_SMOKE") == "1":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
-
-
-sys.path.insert(0, str(ROOT / "bench"))
-from source_tree import bootstrap_turbowire  # noqa: E402
-
-bootstrap_turbowire()
 
 import torch  # noqa: E402
 

@@ -7,9 +7,9 @@ strides are declared 16-byte aligned, as the launcher specializes them at run ti
 that the row loads are not vectorized). Numbers come from the local triton, which may differ
 from the GPU machine's; the bench (``bench/kernels.py``) prints the registers the GPU build used.
 
-    python bench/kernels_aot.py --preset tq4 --head-dim 128 --lanes 4 16
-    python bench/kernels_aot.py --preset tq3 --head-dim 256 --ttgir /tmp/enc.ttgir
-    PYTHONPATH=/tmp/triton36 python bench/kernels_aot.py --sass   # another Triton, SASS opcodes
+    python -m bench.kernels_aot --preset tq4 --head-dim 128 --lanes 4 16
+    python -m bench.kernels_aot --preset tq3 --head-dim 256 --ttgir /tmp/enc.ttgir
+    PYTHONPATH=/tmp/triton36 python -m bench.kernels_aot --sass   # another Triton, SASS opcodes
 
 ``--sass`` adds the cubin's instruction count and most frequent opcodes (nvdisasm): static
 counts, a proxy for the work per coordinate (SHFL = lane exchanges, LDL/STL = spills, STS/LDS =
@@ -35,8 +35,6 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernels as kb  # noqa: E402,F401  (bootstrap: turbowire importable from a source tree)
 from turbowire.codec import Codec  # noqa: E402
 from turbowire.kernels import triton_codec as tk  # noqa: E402
 from turbowire.kernels import triton_dispatch as td  # noqa: E402

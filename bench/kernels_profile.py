@@ -1,6 +1,6 @@
 """One launch of each codec kernel on Llama-3.1-8B-shaped KV, for Nsight Compute.
 
-``ncu --profile-from-start off --clock-control none python3 bench/kernels_profile.py``: the
+``ncu --profile-from-start off --clock-control none python3 -m bench.kernels_profile``: the
 kernels are compiled and warmed before cudaProfilerStart, so only the timed launches (raw encode,
 tq4 encode, verify + tq4 decode) are profiled. Prints each launch's time for reference.
 """
@@ -8,16 +8,13 @@ tq4 encode, verify + tq4 decode) are profiled. Prints each launch's time for ref
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-
-import kernels as kb  # noqa: E402  (bench/kernels.py: bootstrap, caches, items)
-from turbowire.codec import Codec  # noqa: E402
-from turbowire.kernels import PagedKVLayout  # noqa: E402
-from turbowire.kernels.triton_dispatch import DecodePlan, EncodePlan  # noqa: E402
+from bench import kernels as kb  # caches, items, shapes (and TW_BENCH_SMOKE=1's CPU mode)
+from turbowire.codec import Codec
+from turbowire.kernels import PagedKVLayout
+from turbowire.kernels.triton_dispatch import DecodePlan, EncodePlan
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ metrics:" lines) and prints both.
 
 Run (holds the machine-wide engine lock while engines run)::
 
-    python bench/metrics_run.py --preset tq4 --requests 12 --out bench/results/metrics_dashboard.png
+    python -m bench.metrics_run --preset tq4 --requests 12 --out bench/results/metrics_dashboard.png
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from pathlib import Path
 
 import httpx
 
+# the local Prometheus is a test helper (tests/support/), not part of the installed package:
+# importable as ``tests.support`` when run from the repository root (``python -m bench...``)
+from tests.support.prometheus_local import LocalPrometheus
 from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
 from turbowire.serving.launch import (
     EngineSpec,
@@ -34,10 +37,6 @@ from turbowire.serving.launch import (
     start_proxy,
     turbowire_kv_config,
 )
-
-# the local Prometheus is a test helper (tests/support/), not part of the installed package
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.prometheus_local import LocalPrometheus  # noqa: E402
 
 logger = logging.getLogger("metrics_run")
 
@@ -251,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     if args.model == "tiny":
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
-        from connector_tiny_model import ensure_tiny_llama
+        from turbowire.models import ensure_tiny_llama
 
         model_path = ensure_tiny_llama()
     else:

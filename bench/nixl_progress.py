@@ -7,7 +7,7 @@ of one agent and the goodput of a READ of ``--mib`` MiB (``--descs`` descriptors
 processes over UCX (TCP loopback unless UCX_TLS says otherwise), reader and target on their own
 cores, all in one run.
 
-    UCX_TLS=tcp,self .venv/bin/python bench/nixl_progress.py --delays 0,100,1000
+    UCX_TLS=tcp,self .venv/bin/python -m bench.nixl_progress --delays 0,100,1000
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the initiator READs ``reads`` times ``descs`` x ``size`` bytes from a registered 64 MiB buffer of
 the target, twice, and this prints the target's RSS growth per round (bench/RESULTS.md, "Soak").
 
-    python bench/nixl_target_rss.py 500 64 2048      # reads, descriptors per read, bytes each
+    python -m bench.nixl_target_rss 500 64 2048      # reads, descriptors per read, bytes each
 """
 
 from __future__ import annotations

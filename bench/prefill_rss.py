@@ -13,7 +13,7 @@ sends ``--requests`` prompts of uniformly random length (3 to ``--max-prompt`` t
 Prints a table (RSS after the first sample, at the end, growth per request after the first
 sample, requests/s) and writes the samples as JSON.
 
-    python bench/prefill_rss.py --connectors none,turbowire --onednn-cache default,64,0 \\
+    python -m bench.prefill_rss --connectors none,turbowire --onednn-cache default,64,0 \\
         --requests 600 --out bench/results/prefill_rss/rss.json
 """
 
@@ -24,7 +24,6 @@ import concurrent.futures as cf
 import json
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,11 +31,8 @@ from typing import Any
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-
-from connector_tiny_model import ensure_tiny_llama  # noqa: E402
-
-from turbowire.serving.launch import (  # noqa: E402
+from turbowire.models import ensure_tiny_llama
+from turbowire.serving.launch import (
     EngineSpec,
     ProcessGroup,
     engine_lock,
@@ -44,7 +40,7 @@ from turbowire.serving.launch import (  # noqa: E402
     start_engine,
     turbowire_kv_config,
 )
-from turbowire.serving.proxy import PREFILL_PARAMS  # noqa: E402
+from turbowire.serving.proxy import PREFILL_PARAMS
 
 MiB = 1 << 20
 

@@ -9,7 +9,7 @@ request at a time, greedy, ``ignore_eos``. Tokens/s = output tokens / whole requ
 client side (prefill and KV hand-off included, the same for both decode engines).
 Acceptance = accepted / drafted from the connector's per-request reports. Same run: read ratios.
 
-    python bench/spec.py --presets raw,tq4 --k 3 --max-tokens 96
+    python -m bench.spec --presets raw,tq4 --k 3 --max-tokens 96
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ pinned``) with the same tiny random Llama, sends the same prompts through turbow
 prints per-request latency, outcome and, for turbowire, the load report's phases (waiting,
 handshake, transfer, decode), which show where a slow load spends its time.
 
-    python bench/starved_cpu.py --connectors nixl,turbowire --bind auto,pinned --requests 6
+    python -m bench.starved_cpu --connectors nixl,turbowire --bind auto,pinned --requests 6
 """
 
 from __future__ import annotations
@@ -17,18 +17,14 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-
-from connector_tiny_model import ensure_tiny_llama  # noqa: E402
-
-from turbowire.serving.launch import (  # noqa: E402
+from turbowire.models import ensure_tiny_llama
+from turbowire.serving.launch import (
     EngineSpec,
     ProcessGroup,
     engine_lock,

@@ -9,7 +9,7 @@ computes the tail). TTFT is the time to the first streamed token, client side; b
 what Redis stores for the prompt's chunks (``STRLEN``, framing included). Same run, same machine:
 read the ratios.
 
-    python bench/store.py --presets raw,tq4,k4v3 --lengths 2048,4096 --repeats 3
+    python -m bench.store --presets raw,tq4,k4v3 --lengths 2048,4096 --repeats 3
 """
 
 from __future__ import annotations

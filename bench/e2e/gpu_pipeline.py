@@ -17,11 +17,11 @@ the request / seconds). Correctness is checked on each path: dense blocks equal 
 KV is close to the source (the codec's error). With one GPU both agents share it (said in the
 output); ``--cpu`` runs the same on CPU tensors and DRAM (for testing without a GPU).
 
-Standalone: needs torch, numpy, NIXL (``nixl_cu13._api``/``nixl_cu12._api``/``nixl._api``) and the
-repo's ``codec/`` and ``kernels/`` folders (imported as ``turbowire.codec``/``turbowire.kernels``
-without installing the package).
+Needs torch, numpy, NIXL (``nixl_cu13._api``/``nixl_cu12._api``/``nixl._api``) and the installed
+package (``turbowire.codec``/``turbowire.kernels``; on the GPU machine ``make gpu-install``, see
+bench/README.md); vLLM is not needed.
 
-    python bench/e2e/gpu_pipeline.py --tokens 8192,32768 --presets tq4,k4v3 --out /tmp/gpu
+    python -m turbowire.bench_e2e.gpu_pipeline --tokens 8192,32768 --presets tq4,k4v3 --out /tmp/gpu
 """
 
 from __future__ import annotations
@@ -33,24 +33,12 @@ import logging
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("gpu_pipeline")
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def bootstrap_turbowire() -> None:
-    """``turbowire.codec``/``turbowire.kernels`` from the repo without installing
-    (bench/source_tree.py)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from source_tree import bootstrap_turbowire as _bootstrap
-
-    _bootstrap()
 
 
 def import_nixl() -> Any:
@@ -188,7 +176,6 @@ def _wait(agent: Any, handle: Any, timeout_s: float = 120.0) -> None:
 def prefill_main(conn: Any, args: argparse.Namespace) -> None:
     import torch
 
-    bootstrap_turbowire()
     from turbowire.codec import Codec
     from turbowire.kernels import EncodeItem, PagedKVLayout, encode_into, triton_dispatch
 
@@ -259,7 +246,6 @@ def decode_main(conn: Any, result_q: Any, args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
-    bootstrap_turbowire()
     from turbowire.codec import Codec
     from turbowire.kernels import DecodeItem, PagedKVLayout, decode_into
 

@@ -5,7 +5,6 @@ compressed one), under the machine-wide engine lock; everything is stopped by pr
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from connector_tiny_model import ensure_tiny_llama  # noqa: E402
-
-from turbowire.serving.launch import (  # noqa: E402
+from turbowire.models import ensure_tiny_llama
+from turbowire.serving.launch import (
     EngineSpec,
     ManagedProcess,
     ProcessGroup,
@@ -27,7 +23,7 @@ from turbowire.serving.launch import (  # noqa: E402
     start_proxy,
     turbowire_kv_config,
 )
-from turbowire.serving.soak import metric_sum, scrape_metrics  # noqa: E402,F401 (tests import them from here)
+from turbowire.serving.soak import metric_sum, scrape_metrics  # noqa: F401 (tests import them from here)
 
 # proxies of these tests show their routes, records and load reports (hidden by default: the
 # tenancy tests check that default with a proxy of their own)

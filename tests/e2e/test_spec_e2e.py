@@ -32,10 +32,10 @@ import httpx
 import pytest
 import torch
 from conftest import MODEL_NAME, metric_sum, scrape_metrics
-from connector_tiny_model import ensure_tiny_eagle
 from support.redis_server import RedisServer
 from test_connector_e2e_raw import prompt_ids
 
+from turbowire.models import ensure_tiny_eagle
 from turbowire.serving.launch import (
     EngineSpec,
     ManagedProcess,

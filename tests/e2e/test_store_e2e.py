@@ -104,7 +104,7 @@ def registered_scope(redis_url: str, preset: str):
     expect = StoreScope(NAMESPACE, model_slug(f"{MODEL_NAME}.bfloat16"), preset, 1, CHUNK, 1,
                         weights=scope.weights)
     assert scope == expect and len(scope.weights) == 16
-    from connector_tiny_model import ensure_tiny_llama
+    from turbowire.models import ensure_tiny_llama
 
     settings = {"quantization": None, "hf_overrides": {}, "load_format": "auto"}
     assert scope.weights == weights_fingerprint(str(ensure_tiny_llama()), settings=settings), \

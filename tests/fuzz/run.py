@@ -1,8 +1,10 @@
 """Run every fuzz target of tests/fuzz/targets.py for a time budget (``make fuzz``).
 
-    .venv/bin/python tests/fuzz/run.py --seconds 300            # all targets, 300 s in total
-    .venv/bin/python tests/fuzz/run.py --seconds 60 --target decode_forged
-    .venv/bin/python tests/fuzz/run.py --list
+    PYTHONPATH=tests .venv/bin/python -m fuzz.run --seconds 300   # all targets, 300 s in total
+    PYTHONPATH=tests .venv/bin/python -m fuzz.run --seconds 60 --target decode_forged
+    PYTHONPATH=tests .venv/bin/python -m fuzz.run --list
+
+(``tests/`` on the path, as pytest puts it there for the CI slice: ``fuzz.targets``, ``support``.)
 
 The budget is split across the chosen targets by their weights (time a failing target leaves
 unused goes to further passes over the others). Each target runs in batches of random examples
@@ -36,8 +38,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 REPO = TESTS.parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # `fuzz.targets`, as the CI slice imports it
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -134,7 +134,7 @@ def register(app: typer.Typer) -> None:
             "smollm2", "--model",
             help="'smollm2' (SmolLM2-135M-Instruct, prepared by `turbowire models prepare`) or "
                  "the folder of a Hugging Face model, e.g. the tiny e2e model that "
-                 "`python tests/e2e/connector_tiny_model.py` builds and prints."),
+                 "`python -m turbowire.models` builds and prints."),
         warmup: int = typer.Option(
             50, "--warmup", min=0,
             help="Requests before the first resource sample (at most half the run)."),

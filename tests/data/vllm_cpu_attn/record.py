@@ -1,6 +1,9 @@
 """Regenerate the recorded vLLM CPU attention element maps in this folder (README.md says why).
 
-    .venv/bin/python tests/data/vllm_cpu_attn/record.py [--keep-refused] [--derive-amx-from-source]
+    PYTHONPATH=tests .venv/bin/python tests/data/vllm_cpu_attn/record.py [--keep-refused] \
+        [--derive-amx-from-source]
+
+(``tests/`` on the path, for ``support.vllm_cpu_attn``, as pytest puts it there for the tests.)
 
 Probes vLLM's live cache-write op (turbowire's own probe, ``probe_layout``) for every entry of
 ENTRIES and rewrites the entries it captured live, keeping the others as recorded. An entry whose
@@ -23,17 +26,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for support.*
-
-from support.vllm_cpu_attn import (  # noqa: E402
+from support.vllm_cpu_attn import (
     DTYPES,
     MANIFEST_FILE,
     MAPS_FILE,
     entry_name,
 )
 
-from turbowire.kernels.cpu_attn_layout import CpuCacheLayoutError, probe_layout  # noqa: E402
+from turbowire.kernels.cpu_attn_layout import CpuCacheLayoutError, probe_layout
 
 H = 3
 BF16, FP16 = torch.bfloat16, torch.float16

@@ -270,10 +270,7 @@ def test_backoff_follows_vllms_rule():
 # ------------------------------------------------------------------ vLLM's real configs
 @pytest.fixture(scope="module")
 def tiny_models() -> tuple[Path, Path]:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[2] / "e2e"))
-    from connector_tiny_model import ensure_tiny_eagle, ensure_tiny_llama
+    from turbowire.models import ensure_tiny_eagle, ensure_tiny_llama
 
     target = ensure_tiny_llama()
     return target, ensure_tiny_eagle(target)
