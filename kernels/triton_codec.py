@@ -1562,3 +1562,77 @@ def decode_kernel(
                                 H, body0, s_off, False, stride_blk, stride_tok, stride_head,
                                 block_size, D, L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI,
                                 V_WORDS, MANUAL, S1M, S2M, vsc)
+
+
+# ------------------------------------------------------------------------------------------
+# verify, then decode per (chunk, stream, head): the variant for long chunks
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def verify_kernel(src_ptr, items_ptr, status_ptr, fail_ptr, H, preset_id, num_layers,
+                  D: tl.constexpr, BLOCKW: tl.constexpr):
+    """Grid: items. The checks of ``decode_kernel``'s first phase alone: each program records
+    its chunk's status (a refusal also counts in ``*fail_ptr``); ``decode_heads_kernel``,
+    launched after it on the same stream, decodes only the chunks whose status is 0."""
+    ip = items_ptr + tl.program_id(0) * D_FIELDS
+    in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
+    stv = _verify_chunk(src_ptr, ip, in_off, H, preset_id, num_layers, D, BLOCKW)
+    tl.store(status_ptr + tl.load(ip + D_STATUS), stv)
+    if stv != 0:
+        tl.atomic_add(fail_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def decode_heads_kernel(
+    kv_ptr, src_ptr, items_ptr, blocks_ptr, tab_ptr, status_ptr,
+    stride_blk, stride_tok, stride_head, block_size, H,
+    D: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_CENTER: tl.constexpr, K_SINK: tl.constexpr,
+    K_NHI: tl.constexpr, K_WORDS: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_CENTER: tl.constexpr, V_SINK: tl.constexpr,
+    V_NHI: tl.constexpr, V_WORDS: tl.constexpr, MANUAL: tl.constexpr, S1M: tl.constexpr,
+    S2M: tl.constexpr,
+):
+    """Grid: items x 2 streams x H heads. Program (item, s, h) decodes head h of stream s of a
+    chunk ``verify_kernel`` passed (status 0) and writes nothing otherwise. A long chunk is
+    then spread over 2H programs instead of one: the same arithmetic as ``decode_kernel``'s
+    (``_dec_stream``), so the caches written are bit-identical."""
+    pid = tl.program_id(0)
+    per_item = 2 * H
+    item = pid // per_item
+    s = (pid % per_item) // H
+    h = pid % H
+    ip = items_ptr + item * D_FIELDS
+    if tl.load(status_ptr + tl.load(ip + D_STATUS)) == 0:
+        in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
+        start = tl.load(ip + D_START).to(tl.int32)
+        T = tl.load(ip + D_T).to(tl.int32)
+        blk0 = tl.load(ip + D_BLK)
+        body0 = in_off + 48
+        fp16 = tl.load(src_ptr + in_off + 16) == 2
+        if s == 0:
+            k_off = tl.multiple_of(tl.load(ip + D_KOFF), 16)
+            ksc = _scale_at(ip, D_KSCALE)
+            if fp16:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, k_off, h, H,
+                            body0, 0, True, stride_blk, stride_tok, stride_head, block_size,
+                            D, L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL,
+                            S1M, S2M, ksc)
+            else:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, k_off, h, H,
+                            body0, 0, False, stride_blk, stride_tok, stride_head, block_size,
+                            D, L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI, K_WORDS, MANUAL,
+                            S1M, S2M, ksc)
+        else:
+            v_off = tl.multiple_of(tl.load(ip + D_VOFF), 16)
+            s_off = tl.multiple_of(tl.load(ip + D_KBYTES), 16)
+            vsc = _scale_at(ip, D_VSCALE)
+            if fp16:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, v_off, h, H,
+                            body0, s_off, True, stride_blk, stride_tok, stride_head, block_size,
+                            D, L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI, V_WORDS, MANUAL,
+                            S1M, S2M, vsc)
+            else:
+                _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, v_off, h, H,
+                            body0, s_off, False, stride_blk, stride_tok, stride_head,
+                            block_size, D, L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI,
+                            V_WORDS, MANUAL, S1M, S2M, vsc)

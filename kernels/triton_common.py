@@ -53,8 +53,12 @@ class KernelConfig:
     program verifies a chunk and decodes both streams) or 2 (one per stream, each verifying the
     whole chunk); ``verify_words``: words per step of the decode's checksum loop (None:
     ``verify_words_for``'s default); ``encode_stream_major``: launch every K program of an encode
-    before every V program (True, the default: concurrent programs share their code; False: a
-    chunk's K and V programs side by side)."""
+    before every V program (True: concurrent programs share their code; False: a chunk's K and
+    V programs side by side; None, the default: ``stream_major_for`` picks per layer policy);
+    ``decode_heads_from``: chunks of at least this many tokens decode in two launches, a verify
+    pass then one program per (chunk, stream, head) (``decode_heads_kernel``), shorter ones in the
+    fused verify + decode kernel (None: always fused); ``verify_warps``: warps of that verify
+    pass. Both defaults were measured on an H200 (bench/RESULTS.md, kernels against 12-01)."""
 
     num_warps: int = 4
     lanes: int | None = None
@@ -66,7 +70,9 @@ class KernelConfig:
     sum_rows: int | None = None
     encode_max_registers: int | str | None = "tuned"
     decode_split: int = 1
-    encode_stream_major: bool = True
+    encode_stream_major: bool | None = None
+    decode_heads_from: int | None = 128
+    verify_warps: int = 8
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -85,6 +91,11 @@ class KernelConfig:
             raise ValueError("verify_words must be a power of two >= 16")
         if self.decode_split not in (1, 2):
             raise ValueError(f"decode_split is 1 or 2, got {self.decode_split}")
+        if self.verify_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"verify_warps must be a power of two up to 16, got {self.verify_warps}")
+        if self.decode_heads_from is not None and self.decode_heads_from < 1:
+            raise ValueError(f"decode_heads_from is None or >= 1, got {self.decode_heads_from}")
         if self.sum_rows is not None and (self.sum_rows < 8 or self.sum_rows & (self.sum_rows - 1)):
             raise ValueError("sum_rows must be a power of two >= 8")
         if self.max_registers is not None and not 24 <= self.max_registers <= 255:
@@ -141,6 +152,22 @@ class KernelConfig:
         if self.num_warps != 4 or self.lanes is not None or self.tile_rows is not None:
             return None  # the caps were measured at the default launch shape only
         return TUNED_ENCODE_REGISTERS.get((kspec, vspec, head_dim))
+
+    def stream_major_for(self, kspec: StreamSpec, vspec: StreamSpec) -> bool:
+        """Whether an encode launches every K program before every V program. Unset: when both
+        streams are of one kind (tq4 at 256-token chunks 0.771 -> 0.664 ms on an H200); a K
+        stream much cheaper than its V (k8v4's fp8 keys) balances better side by side
+        (k8v4 0.488 -> 0.435 ms), the same on one-block chunks."""
+        if self.encode_stream_major is not None:
+            return self.encode_stream_major
+        return kspec.kind == vspec.kind
+
+    def decodes_by_head(self, max_tokens: int) -> bool:
+        """Whether a decode launch whose longest chunk has ``max_tokens`` tokens runs as a verify
+        pass then one program per (chunk, stream, head): on an H200 that is 7-10% faster than
+        the fused kernel from 128-token chunks up, and up to 2x slower on one-block chunks,
+        where the fused kernel's single launch wins."""
+        return self.decode_heads_from is not None and max_tokens >= self.decode_heads_from
 
     def launch_options(self, max_registers: int | None = None) -> dict[str, Any]:
         """Triton launch options; ``max_registers`` (an encoder's cap) overrides the config's."""
@@ -537,3 +564,36 @@ def cuda_serves(codec: Any, caches: Sequence[torch.Tensor]) -> bool:
     """Whether the Triton plans serve every one of these caches (all CUDA caches of a supported
     dtype and head_dim): the connector's one CUDA-or-host question."""
     return bool(caches) and all(applies(codec, t) for t in caches)
+
+
+def _decode_calls(
+    cfg: KernelConfig, kspec: StreamSpec, vspec: StreamSpec, dim: int, n: int, max_tokens: int,
+    cache: torch.Tensor, source: torch.Tensor, table: torch.Tensor, blocks: torch.Tensor,
+    tab: torch.Tensor, status: torch.Tensor, fail: torch.Tensor, strides: tuple[int, ...],
+    block_size: int, heads: int, preset_id: int, num_layers: int,
+) -> list[tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]]:
+    """The launches (kernel, grid, args, kwargs) that verify and decode the ``n`` chunks of one
+    layer policy's table: the fused kernel, or for long chunks (``cfg.decodes_by_head``) the
+    verify pass then the per-head decode. Either way a refused chunk writes nothing, the
+    others are decoded, ``fail`` counts the refusals and ``status`` holds each chunk's bits."""
+    from turbowire.kernels import triton_codec as tk
+
+    tf = _transforms(kspec, vspec)
+    shape = dict(D=dim, L=cfg.lanes_for(dim, False, tf), BT=cfg.tile_rows_for(dim, False, tf),
+                 **_stream_consts(kspec, dim).prefixed("K"),
+                 **_stream_consts(vspec, dim).prefixed("V"), MANUAL=interpreting(),
+                 S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), **cfg.launch_options(),
+                 enable_fp_fusion=False)
+    bs = _block_size_arg(block_size)
+    if cfg.decodes_by_head(max_tokens):
+        words = cfg.verify_words or 16 * 32 * cfg.verify_warps
+        return [
+            (tk.verify_kernel, (n,), (source, table, status, fail, heads, preset_id, num_layers),
+             dict(D=dim, BLOCKW=words, num_warps=cfg.verify_warps)),
+            (tk.decode_heads_kernel, (n * 2 * heads,),
+             (cache, source, table, blocks, tab, status, *strides, bs, heads), shape),
+        ]
+    return [(tk.decode_kernel, (n * cfg.decode_split,),
+             (cache, source, table, blocks, tab, status, fail, *strides, bs, heads, preset_id,
+              num_layers),
+             dict(shape, SPLIT=cfg.decode_split, BLOCKW=cfg.verify_words_for()))]

@@ -38,6 +38,7 @@ from turbowire.kernels.triton_common import (  # noqa: F401 - their old home, re
     _check_disjoint,
     _check_jobs,
     _check_range,
+    _decode_calls,
     _group_key,
     _kernel_cache,
     _Launch,
@@ -140,7 +141,7 @@ class EncodePlan:
                 D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
                 FP8_MANUAL=interpreting(), SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0),
                 S2M=_sign_mask(dim, 1), NUM_WARPS=cfg.num_warps,
-                SMAJOR=cfg.encode_stream_major,
+                SMAJOR=cfg.stream_major_for(kspec, vspec),
                 **cfg.launch_options(cfg.encode_registers_for(kspec, vspec, dim)),
                 enable_fp_fusion=False,
             )
@@ -222,30 +223,16 @@ class DecodePlan:
         tab = _tables(dim, device)
         self.status = torch.zeros(len(self._refs), dtype=torch.int32, device=device)
         self.fails = torch.zeros(1, dtype=torch.int32, device=device)
-        from turbowire.kernels import triton_codec as tk
-
-        split = cfg.decode_split
         for (kspec, vspec), launch in launches.items():
             n = len(launch.rows)
             if n == 0:
                 continue
             table = torch.tensor(launch.rows, dtype=torch.int64).to(device)
             blocks = torch.tensor(launch.blocks.ids or [0], dtype=torch.int32).to(device)
-            consts = {**_stream_consts(kspec, dim).prefixed("K"),
-                      **_stream_consts(vspec, dim).prefixed("V")}
-            tf = _transforms(kspec, vspec)
-            lanes = cfg.lanes_for(dim, False, tf)
-            bt = cfg.tile_rows_for(dim, False, tf)
-            self._calls.append((
-                tk.decode_kernel, (n * split,),
-                (_kernel_cache(base), source, table, blocks, tab, self.status, self.fails,
-                 strides[0], strides[1], strides[2], _block_size_arg(lay0.block_size),
-                 lay0.num_heads, codec.preset.preset_id, codec.num_layers),
-                dict(D=dim, L=lanes, BT=bt, **consts, MANUAL=interpreting(),
-                     S1M=_sign_mask(dim, 0), S2M=_sign_mask(dim, 1), SPLIT=split,
-                     BLOCKW=cfg.verify_words_for(), **cfg.launch_options(),
-                     enable_fp_fusion=False),
-            ))
+            self._calls += _decode_calls(
+                cfg, kspec, vspec, dim, n, max(r[3] for r in launch.rows), _kernel_cache(base),
+                source, table, blocks, tab, self.status, self.fails, strides, lay0.block_size,
+                lay0.num_heads, codec.preset.preset_id, codec.num_layers)
 
     def launch(self) -> None:
         if self.fails is None:

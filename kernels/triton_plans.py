@@ -49,6 +49,7 @@ from turbowire.kernels.triton_common import (
     StagingAlignmentError,
     _block_size_arg,
     _cache_geom,
+    _decode_calls,
     _group_key,
     _kernel_cache,
     _raise_like_reference,
@@ -402,7 +403,7 @@ class EncodeLayersPlan:
                 D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
                 FP8_MANUAL=interpreting(), SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0),
                 S2M=_sign_mask(dim, 1), NUM_WARPS=cfg.num_warps,
-                SMAJOR=cfg.encode_stream_major,
+                SMAJOR=cfg.stream_major_for(kspec, vspec),
                 **cfg.launch_options(cfg.encode_registers_for(kspec, vspec, dim)),
                 enable_fp_fusion=False,
             )
@@ -539,6 +540,7 @@ class DecodeLayersPlan:
         self._base = base
         self._strides = strides
         self._cfg = cfg
+        self._max_tokens = int(chunks.tokens.max())
         policies: dict[Any, _Policy] = {}
         for i, layer in enumerate(self.layers):
             policies.setdefault(_group_key(codec, layer), _Policy(_group_key(codec, layer))
@@ -555,8 +557,6 @@ class DecodeLayersPlan:
         calls = self._ranges.get((lo, hi))
         if calls is not None:
             return calls
-        from turbowire.kernels import triton_codec as tk
-
         if not 0 <= lo < hi <= len(self.layers):
             raise ValueError(f"layer range {lo}..{hi} outside the plan's {len(self.layers)}")
         n = self.n
@@ -573,22 +573,11 @@ class DecodeLayersPlan:
             a, b = js[0], js[-1] + 1  # the policy's layers in [lo, hi) are contiguous in its table
             assert pol.table is not None
             kspec, vspec = pol.key
-            consts = {**_stream_consts(kspec, dim).prefixed("K"),
-                      **_stream_consts(vspec, dim).prefixed("V")}
-            tf = _transforms(kspec, vspec)
-            st = self._strides
-            calls.append((
-                tk.decode_kernel, ((b - a) * n * cfg.decode_split,),
-                (_kernel_cache(self._base), self.source, pol.table[a * n:b * n], self.blocks,
-                 self._tab, self.status, fail, st[0], st[1], st[2],
-                 _block_size_arg(lay.block_size), lay.num_heads, self.codec.preset.preset_id,
-                 self.codec.num_layers),
-                dict(D=dim, L=cfg.lanes_for(dim, False, tf), BT=cfg.tile_rows_for(dim, False, tf),
-                     **consts, MANUAL=interpreting(), S1M=_sign_mask(dim, 0),
-                     S2M=_sign_mask(dim, 1), SPLIT=cfg.decode_split,
-                     BLOCKW=cfg.verify_words_for(), **cfg.launch_options(),
-                     enable_fp_fusion=False),
-            ))
+            calls += _decode_calls(
+                cfg, kspec, vspec, dim, (b - a) * n, self._max_tokens, _kernel_cache(self._base),
+                self.source, pol.table[a * n:b * n], self.blocks, self._tab, self.status, fail,
+                self._strides, lay.block_size, lay.num_heads, self.codec.preset.preset_id,
+                self.codec.num_layers)
         self._ranges[(lo, hi)] = calls
         return calls
 

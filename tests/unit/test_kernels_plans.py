@@ -9,6 +9,7 @@ written), raising the reference's exception for the first refused chunk.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # also set by tests/conftest.py
 
@@ -180,7 +181,9 @@ def test_layer_plans_write_what_the_item_plans_and_the_reference_write(preset, k
         assert torch.equal(a.view(torch.uint8) if fp8 else a, b.view(torch.uint8) if fp8 else b)
 
 
-def test_a_refused_chunk_fails_its_range_only_and_raises_like_the_reference():
+@pytest.mark.parametrize("cfg", [SMALL, replace(SMALL, decode_heads_from=1, verify_warps=1)],
+                         ids=["fused", "by-head"])
+def test_a_refused_chunk_fails_its_range_only_and_raises_like_the_reference(cfg):
     codec = Codec("tq4", DIM, LAYERS)
     src = caches("LBNHC", torch.bfloat16, seed=2)
     layout = PagedKVLayout.from_cache(src[0])
@@ -191,7 +194,7 @@ def test_a_refused_chunk_fails_its_range_only_and_raises_like_the_reference():
     plan.launch()
     buf[int(out[2, 2]) + 100] ^= 0x20  # a body byte of layer 2, chunk 2
     dst = caches("LBNHC", torch.bfloat16, 0, fill=GUARD)
-    dplan = DecodeLayersPlan(codec, range(LAYERS), dst, layout, cs, out, plan.written, buf, SMALL)
+    dplan = DecodeLayersPlan(codec, range(LAYERS), dst, layout, cs, out, plan.written, buf, cfg)
     dplan.launch(0, 2)
     dplan.check(0, 2)  # layers 0 and 1 are fine
     dplan.launch(2, 3)
@@ -216,14 +219,14 @@ def test_a_refused_chunk_fails_its_range_only_and_raises_like_the_reference():
     # a wrong expected tag: the reference's exception too
     bad = ChunkSet(REQS, cs.req, cs.start, cs.tokens, [1] * len(CHUNKS))
     dst2 = caches("LBNHC", torch.bfloat16, 0, fill=GUARD)
-    p2 = DecodeLayersPlan(codec, range(LAYERS), dst2, layout, bad, out, plan.written, buf, SMALL)
+    p2 = DecodeLayersPlan(codec, range(LAYERS), dst2, layout, bad, out, plan.written, buf, cfg)
     p2.launch(0, 1)
     with pytest.raises(IncompatiblePayloadError, match="tag"):
         p2.check(0, 1)
     assert all(bool((d == GUARD).all()) for d in dst2)
     # no expected tags: none checked
     p3 = DecodeLayersPlan(codec, [0], dst2[:1], layout, chunk_set(tags=False), out[:1],
-                          plan.written[:1], buf, SMALL)
+                          plan.written[:1], buf, cfg)
     p3.launch()
     p3.check()
     assert not bool((dst2[0] == GUARD).all())

@@ -15,7 +15,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # also set by tests/conftest.py, before vllm imports triton
 
 import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -197,7 +197,41 @@ def _items(case: Case, src_blocks: list[int], dst_blocks: list[int], written=Non
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bytes_and_values_match_the_reference(name: str) -> None:
+    _check_against_reference(CASES[name])
+
+
+# the decode of long chunks: a verify pass, then one program per (chunk, stream, head); forced
+# on short chunks here (decode_heads_from=1) over every stream kind, dtype and layout family
+BY_HEAD_CASES = ["raw-d64-LBNHC-bs16", "k8v4-d128-LBHNC-bs32-fp16", "tq4-d64-cpu-bs64-multitile",
+                 "k3v2-d128-offset-lanes2", "tq4-d128-lanes1", "bits1-bits6-d64",
+                 "hi-eighths-d64-fp16"]
+
+
+@pytest.mark.parametrize("name", BY_HEAD_CASES)
+def test_decode_by_head_matches_the_reference(name: str) -> None:
     case = CASES[name]
+    cfg = replace(case.config, decode_heads_from=1, verify_warps=1)
+    assert cfg.decodes_by_head(1) and not case.config.decodes_by_head(max(
+        t for _, t in case.chunks))
+    _check_against_reference(replace(case, config=cfg))
+
+
+def test_decode_variant_and_program_order_defaults() -> None:
+    """Long chunks decode by head, one-block chunks in the fused kernel; an encode launches
+    every K program first when K and V are of one kind."""
+    cfg = KernelConfig()
+    assert cfg.decodes_by_head(256) and cfg.decodes_by_head(128)
+    assert not cfg.decodes_by_head(64) and not cfg.decodes_by_head(16)
+    assert not KernelConfig(decode_heads_from=None).decodes_by_head(1 << 16)
+    tq4, k8v4 = Codec("tq4", 128, 2).policy(0), Codec("k8v4", 128, 2).policy(0)
+    assert cfg.stream_major_for(tq4.k, tq4.v) and not cfg.stream_major_for(k8v4.k, k8v4.v)
+    assert KernelConfig(encode_stream_major=True).stream_major_for(k8v4.k, k8v4.v)
+    for bad in (dict(decode_heads_from=0), dict(verify_warps=3)):
+        with pytest.raises(ValueError):
+            KernelConfig(**bad)
+
+
+def _check_against_reference(case: Case) -> None:
     src = make_cache(case.kind, case.block_size, case.heads, case.dim, case.dtype, seed=1)
     layout = PagedKVLayout.from_cache(src)
     codec = Codec(case.preset, case.dim, 3)
@@ -284,10 +318,13 @@ def _raw_setup(chunks=((0, 20), (20, 12))):
     return codec, layout, staging, dec, dst
 
 
-def test_a_corrupt_or_unexpected_chunk_is_never_written() -> None:
-    """Each program verifies the chunk it decodes: a refused chunk writes nothing (its slots keep
-    the guard), the valid chunks of the same call are decoded as the reference decodes them,
-    and the call raises the reference's exception for the refused one."""
+@pytest.mark.parametrize("config", [SMALL, replace(SMALL, decode_heads_from=1, verify_warps=1)],
+                         ids=["fused", "by-head"])
+def test_a_corrupt_or_unexpected_chunk_is_never_written(config: KernelConfig) -> None:
+    """Each chunk is verified before it is decoded (in the decoding program, or by the verify
+    pass before the per-head decode): a refused chunk writes nothing (its slots keep the
+    guard), the valid chunks of the same call are decoded as the reference decodes them, and
+    the call raises the reference's exception for the refused one."""
     codec, layout, staging, dec, _ = _raw_setup()
 
     def after(layer: int, items) -> torch.Tensor:  # the reference's cache after ``items``
@@ -300,7 +337,7 @@ def test_a_corrupt_or_unexpected_chunk_is_never_written() -> None:
         dst = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, 0, fill=GUARD)
         with pytest.raises(exc, match=match):
             decode_into(codec, layer, dst, layout, items, staging, impl="triton",
-                        kernel_config=SMALL)
+                        kernel_config=config)
         assert torch.equal(dst, after(layer, good)), match
 
     body_byte = dec[1].in_offset + 100
@@ -317,7 +354,7 @@ def test_a_corrupt_or_unexpected_chunk_is_never_written() -> None:
     refused(1, short, TruncatedPayloadError, None, [])
     refused(0, dec, IncompatiblePayloadError, "layer", [])
     dst = make_cache("LBNHC", 16, 2, 64, torch.bfloat16, 0, fill=GUARD)
-    decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=SMALL)
+    decode_into(codec, 1, dst, layout, dec, staging, impl="triton", kernel_config=config)
     assert torch.equal(dst, after(1, dec)) and not bool((dst == GUARD).all())
 
 
