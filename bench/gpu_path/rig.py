@@ -1,0 +1,346 @@
+"""The rig: a prefill and a decode worker built the way vLLM builds them, a fake transport and
+side channel, a stand-in forward, and the clocks. Only turbowire's public names are used: the
+worker's vLLM-facing calls and public attributes, ``KVLoader``'s constructor (everything a loader
+talks to is injected there), ``make_coder`` and ``turbowire.kernels``."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+SMOKE = os.environ.get("TW_BENCH_SMOKE") == "1"  # CPU + Triton interpreter, tiny shapes
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from bench.gpu_path import stubs  # noqa: E402
+
+STUBS = stubs.install()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from turbowire.connector.coder import ChunkOffsets, CudaCoder, make_coder  # noqa: E402
+from turbowire.connector.config import TurboWireConfig  # noqa: E402
+from turbowire.connector.geometry import block_tag  # noqa: E402
+from turbowire.connector.loader import KVLoader, LocalEnd  # noqa: E402
+from turbowire.connector.metadata import (  # noqa: E402
+    LoadBlock,
+    LoadRequest,
+    PeerAddress,
+    SaveBlock,
+    SaveRequest,
+    TurboWireConnectorMetadata,
+)
+from turbowire.connector.transports import TransferState  # noqa: E402
+from turbowire.connector.worker import TurboWireWorker  # noqa: E402
+
+DEVICE = "cpu" if SMOKE else "cuda"
+BLOCK = 16
+# Llama-3.1-8B's layer shapes; the smoke mode's are tiny
+MODEL = (dict(layers=2, hidden=256, inter=512, q_heads=2, kv_heads=1, head_dim=128) if SMOKE
+         else dict(layers=32, hidden=4096, inter=14336, q_heads=32, kv_heads=8, head_dim=128))
+TOKENS = [20] if SMOKE else [4096, 32768]
+PRESETS = ["tq4"] if SMOKE else ["tq4", "k4v3"]
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def layer_names(n: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------
+# stand-ins: the transport and the prefill engine's side channel
+# ------------------------------------------------------------------------------------------
+class FakeTransfer:
+    """A READ whose bytes are in the receive buffer already: landed unless the transport holds
+    it (the bench lands every held READ at one instant)."""
+
+    def __init__(self, transport: FakeTransport) -> None:
+        self.transport = transport
+        self.index = transport.posted
+        transport.posted += 1
+
+    def state(self) -> TransferState:
+        t = self.transport
+        held = t.hold or (t.hold_from is not None and self.index >= t.hold_from)
+        return TransferState.PENDING if held else TransferState.DONE
+
+    def release(self) -> None:
+        pass
+
+
+class FakeTransport:
+    name = "fake"
+    agent_name = "bench-agent"
+
+    def __init__(self) -> None:
+        self.hold = False  # READs stay PENDING while set
+        self.hold_from: int | None = None  # READs posted from this count on stay PENDING
+        self.posted = 0
+
+    def register(self, tensor: Any) -> None:
+        pass
+
+    def local_metadata(self) -> bytes:
+        return b""
+
+    def add_peer(self, metadata: bytes) -> str:
+        return "prefill-agent"
+
+    def remove_peer(self, name: str) -> None:
+        pass
+
+    def read(self, peer: str, local: Any, remote: Any, mem_type: str,
+             notif: bytes = b"") -> FakeTransfer:
+        return FakeTransfer(self)  # O(1): the fake's cost is not the path's
+
+    def close(self) -> None:
+        pass
+
+
+class FakeClient:
+    """The prefill engine's side channel: hands out its staging layout, grants every lease."""
+
+    def __init__(self, prefill: TurboWireWorker) -> None:
+        self.p = prefill
+
+    def handshake(self, record: Any, engine_id: str, tp_rank: int) -> SimpleNamespace:
+        p = self.p
+        assert p.staging is not None
+        staging = SimpleNamespace(
+            agent_name="prefill-agent", agent_metadata=b"", base_addr=p.staging.data_ptr(),
+            slot_bytes=p.layout.slot_bytes, num_slots=p.layout.num_slots,
+            layer_offsets=tuple(p.layout.layer_offsets), device_id=0, mem_type=p.mem_type)
+        return SimpleNamespace(engine_id="prefill", record=p.record, staging=staging,
+                               lease_seconds=30.0)
+
+    def heartbeat(self, ids: list[str], engine_id: str = "", **kw: Any) -> SimpleNamespace:
+        return SimpleNamespace(done=list(ids), unknown=[], refused=[])
+
+    def release(self, ids: list[str], engine_id: str = "", tp_rank: int = 0,
+                **kw: Any) -> SimpleNamespace:
+        return SimpleNamespace(done=list(ids), unknown=[], refused=[])
+
+
+class InlineExecutor:
+    """Runs the loader's side-channel calls inline (their network time is not the path's)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
+        from concurrent.futures import Future
+
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - handed to the loader through the future
+            f.set_exception(exc)
+        return f
+
+
+# ------------------------------------------------------------------------------------------
+# workers, built as vLLM builds them
+# ------------------------------------------------------------------------------------------
+def make_worker(preset: str, role: str, engine_id: str, num_blocks: int, pool_bytes: int,
+                layers: int, heads: int, dim: int, groups: int = 8) -> TurboWireWorker:
+    """A worker from stand-ins of vLLM's config objects, through its own constructor."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    extra = {"preset": preset, "staging_bytes": pool_bytes, "recv_bytes": pool_bytes,
+             "decode_pipeline_groups": groups, "nixl_progress_delay_us": 0}
+    ktc = SimpleNamespace(kv_connector="TurboWireConnector", kv_role=role,
+                          kv_connector_extra_config=extra, engine_id=engine_id,
+                          is_kv_producer=role in ("kv_producer", "kv_both"),
+                          is_kv_consumer=role in ("kv_consumer", "kv_both"),
+                          is_kv_transfer_instance=True)
+    vcfg = SimpleNamespace(
+        kv_transfer_config=ktc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
+        model_config=SimpleNamespace(model="/m/Llama-3.1-8B", served_model_name="llama"),
+        speculative_config=None, compilation_config=SimpleNamespace(static_forward_context={}))
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=dim,
+                             dtype=torch.bfloat16)
+    kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names(layers), spec)])
+    cfg = TurboWireConfig.from_extra_config(extra, environ={})
+    return TurboWireWorker(vcfg, kcfg, cfg, engine_id)
+
+
+def use_coder(w: TurboWireWorker, schedule: str = "layerwise",
+              kernel_config: Any = "auto") -> CudaCoder:
+    """Give the worker a CUDA coder (on CPU: under Triton's interpreter), the coder the bench
+    measures; ``schedule``: ``layerwise`` (a launch per ``save_kv_layer``) or ``after_forward``
+    (one launch in ``wait_for_save``). On a GPU the worker must have chosen it itself."""
+    if not SMOKE and not isinstance(w.coder, CudaCoder):
+        raise RuntimeError(f"the worker chose {type(w.coder).__name__}, not the CUDA coder")
+    coder = make_coder(w.codec, w.geometry, w.caches, layout=w.layout, staging=w.staging,
+                       recv=w.recv, chunk_nbytes=w.chunk_nbytes, save_schedule=schedule,
+                       kernel_config=kernel_config, kind="cuda")
+    assert isinstance(coder, CudaCoder)
+    w.coder = coder
+    return coder
+
+
+def attach_loader(d: TurboWireWorker, p: TurboWireWorker) -> FakeTransport:
+    """Replace the decode worker's loader by one built through ``KVLoader``'s constructor with the
+    fake transport, fake clients (of prefill worker ``p``) and inline side-channel calls; the
+    decode and its preparation are the worker's coder's. Returns the transport (hold/land)."""
+    assert d.caches is not None and d.recv is not None and d.recv_ranges is not None
+    assert d.coder is not None
+    if d.loader is not None:
+        d.loader.close()
+    client = FakeClient(p)
+    transport = FakeTransport()
+    local = LocalEnd(d.engine_id, d.tp_rank, d.record, d.mem_type, d.recv.data_ptr(),
+                     max(d.caches.device.index or 0, 0), d.caches.num_blocks,
+                     d.caches.dense_bytes_per_token())
+    d.loader = KVLoader(d.config, d.geometry, d.layout, d.chunk_nbytes, local, transport,
+                        SimpleNamespace(get=lambda host, port: client, close=lambda: None),
+                        d.recv_ranges, d.coder.decode, InlineExecutor(), d.stats,
+                        prepare=d.coder.prepare_load)
+    return transport
+
+
+# ------------------------------------------------------------------------------------------
+# requests
+# ------------------------------------------------------------------------------------------
+def save_meta(rid: str, block_ids: list[int], ntok: int,
+              slot0: int = 0) -> TurboWireConnectorMetadata:
+    blocks = [SaveBlock(i, block_ids[i], min(BLOCK, ntok - i * BLOCK), slot0 + i,
+                        block_tag(rid, i)) for i in range((ntok + BLOCK - 1) // BLOCK)]
+    return TurboWireConnectorMetadata(saves=[SaveRequest(rid, list(block_ids), blocks)])
+
+
+def load_meta(rid: str, remote: str, save: SaveRequest, block_ids: list[int],
+              preset: str) -> TurboWireConnectorMetadata:
+    peer = PeerAddress("prefill", "127.0.0.1", 1, 1)
+    blocks = [LoadBlock(b.index, block_ids[b.index], b.num_tokens, b.slot, b.tag)
+              for b in save.blocks]
+    return TurboWireConnectorMetadata(loads=[LoadRequest(rid, remote, peer, blocks, preset,
+                                                         list(block_ids))])
+
+
+def fill_recv(d: TurboWireWorker, p: TurboWireWorker, save: SaveRequest,
+              offset: int = 0) -> ChunkOffsets:
+    """Put the request's chunks into the decode worker's receive buffer where its loader READs
+    them (layer-major, blocks in order), one strided copy per (layer, run of equal sizes)."""
+    assert p.staging is not None and d.recv is not None
+    n_l = p.geometry.num_layers
+    sizes = np.array([[p.chunk_nbytes(layer, b.num_tokens, b.index) for b in save.blocks]
+                      for layer in range(n_l)], dtype=np.int64)
+    flat = sizes.reshape(-1)
+    offs = (np.cumsum(flat) - flat).reshape(sizes.shape)
+    slots = [b.slot for b in save.blocks]
+    slot_bytes = p.layout.slot_bytes
+    for layer in range(n_l):
+        lo = p.layout.layer_offsets[layer]
+        i = 0
+        while i < len(slots):
+            j = i
+            while (j + 1 < len(slots) and sizes[layer, j + 1] == sizes[layer, i]
+                   and slots[j + 1] == slots[j] + 1):
+                j += 1
+            k, size = j - i + 1, int(sizes[layer, i])
+            src = p.staging[slots[i] * slot_bytes:(slots[j] + 1) * slot_bytes].view(k, slot_bytes)
+            at = offset + int(offs[layer, i])
+            d.recv[at:at + k * size].view(k, size).copy_(src[:, lo:lo + size])
+            i = j + 1
+    return ChunkOffsets(offs, sizes)
+
+
+def drain(d: TurboWireWorker, limit: float = 60.0) -> tuple[set[str], set[str]]:
+    """Poll as vLLM does each step until no load is pending: (finished, failed)."""
+    finished: set[str] = set()
+    failed: set[str] = set()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        f, x = d.get_transfer_results()
+        finished |= f
+        failed |= x
+        if d.loader is None or not d.loader.pending:
+            break
+    return finished, failed
+
+
+# ------------------------------------------------------------------------------------------
+# the stand-in forward and the clocks
+# ------------------------------------------------------------------------------------------
+@dataclass
+class Forward:
+    """bf16 matmuls of one Llama-3.1-8B layer (weights shared by the layers: far larger than L2
+    either way) and the layer's KV written into the paged cache, with ``save_kv_layer`` after
+    each layer's "attention" and ``wait_for_save`` after the last, as vLLM calls them."""
+
+    tokens: int
+    caches: dict[str, torch.Tensor]
+    slot_mapping: torch.Tensor
+    w: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        h, i = MODEL["hidden"], MODEL["inter"]
+        kv = MODEL["kv_heads"] * MODEL["head_dim"]
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+
+        def weight(a: int, b: int) -> torch.Tensor:
+            return (torch.randn(a, b, generator=g, device=DEVICE) / a ** 0.5).to(torch.bfloat16)
+
+        self.w = {"qkv": weight(h, h + 2 * kv), "o": weight(h, h), "gu": weight(h, 2 * i),
+                  "d": weight(i, h)}
+        self.x0 = torch.randn(self.tokens, h, generator=g, device=DEVICE).to(torch.bfloat16)
+
+    def run(self, worker: TurboWireWorker | None, meta: Any) -> None:
+        h, kvh, hd = MODEL["hidden"], MODEL["kv_heads"], MODEL["head_dim"]
+        kv = kvh * hd
+        x = self.x0
+        for name, cache in self.caches.items():
+            qkv = x @ self.w["qkv"]
+            # vLLM's reshape_and_cache: token t into slot_mapping[t] of the layer's paged cache
+            cache[0].view(-1, kvh, hd).index_copy_(0, self.slot_mapping,
+                                                   qkv[:, h:h + kv].reshape(-1, kvh, hd))
+            cache[1].view(-1, kvh, hd).index_copy_(0, self.slot_mapping,
+                                                   qkv[:, h + kv:].reshape(-1, kvh, hd))
+            if worker is not None:
+                worker.save_kv_layer(name, cache, meta)
+            x = ((qkv[:, :h] @ self.w["o"]) @ self.w["gu"])[:, :MODEL["inter"]] @ self.w["d"]
+        if worker is not None:
+            worker.wait_for_save(meta)
+
+
+def freeze_gc_heap() -> None:
+    """What vLLM's EngineCore does once started (``gc_utils.freeze_gc_heap``): a collection
+    while serving does not walk the start-up heap (models, caches, plans, kernels)."""
+    for generation in (0, 1, 2):
+        gc.collect(generation)
+    gc.freeze()
+
+
+def time_once(fn: Callable[[], None]) -> float:
+    """ms of one call: CUDA events on the current stream around it, then a host sync (the step
+    boundary); on CPU the wall clock."""
+    if DEVICE != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
+def bench_ms(fn: Callable[[], Any]) -> float:
+    """Median ms of ``fn`` (triton's do_bench); smoke: one call's wall time."""
+    if SMOKE:
+        return time_once(fn)
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
