@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.config import KVTransferConfig
+from support.fakes import stand_in_configs
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import RequestStatus
 
 from turbowire.connector.config import TurboWireConfig
@@ -37,21 +36,12 @@ def engine(preset: str, port: int, engine_id: str, role: str = "kv_both", groups
     extra = {"preset": preset, "staging_bytes": "2MiB", "side_channel_port": port,
              "lease_seconds": 5, "decode_pipeline_groups": groups,
              "save_schedule": save_schedule}
-    ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role=role,
-                           kv_connector_extra_config=extra, engine_id=engine_id)
-    vcfg = SimpleNamespace(
-        kv_transfer_config=ktc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
-        model_config=SimpleNamespace(model="/m/tiny", served_model_name="tiny"),
-        speculative_config=None,
-        # vLLM's attention layers by name, as the worker reads an fp8 cache's k/v scales
-        compilation_config=SimpleNamespace(static_forward_context={
-            name: SimpleNamespace(_k_scale_float=fp8_scales[0], _v_scale_float=fp8_scales[1])
-            for name in LAYERS} if fp8_scales else {}),
-    )
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
-    kcfg = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    # vLLM's attention layers by name, as the worker reads an fp8 cache's k/v scales
+    context = ({name: SimpleNamespace(_k_scale_float=fp8_scales[0], _v_scale_float=fp8_scales[1])
+                for name in LAYERS} if fp8_scales else None)
+    vcfg, kcfg = stand_in_configs(extra, LAYERS, block_size=BS, num_kv_heads=HEADS,
+                                  head_size=DIM, num_blocks=NUM_BLOCKS, engine_id=engine_id,
+                                  kv_role=role, forward_context=context)
     cfg = TurboWireConfig.from_extra_config(extra, environ={})
     sched = TurboWireScheduler(vcfg, kcfg, cfg, engine_id)
     worker = TurboWireWorker(vcfg, kcfg, cfg, engine_id)

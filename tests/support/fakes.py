@@ -84,7 +84,7 @@ class FakeClient:
         staging = StagingInfo("prefill-agent", b"md", 1 << 20, self.layout.slot_bytes,
                               self.layout.num_slots, tuple(self.layout.layer_offsets), 0,
                               self.mem_type)
-        return PeerInfo(self.engine_id, self.record, staging, 30.0)
+        return PeerInfo(self.engine_id, self.record, staging)
 
     def _reply(self, ids):
         refused = [i for i in ids if i in self.refused]
@@ -116,31 +116,40 @@ class InlineExecutor:
         return f
 
 
-def make_worker(monkeypatch, extra: dict[str, Any], layer_names: list[str], *, block_size: int,
-                num_kv_heads: int, head_size: int, num_blocks: int, engine_id: str,
-                kv_role: str = "kv_both", dtype: torch.dtype = torch.bfloat16,
-                transport: Any = None):
-    """A TurboWireWorker built from a stand-in of vLLM's config the way vLLM builds one (its
-    NIXL transport replaced by ``transport``, a ``FakeTransport`` unless given)."""
+def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_size: int,
+                     num_kv_heads: int, head_size: int, num_blocks: int, engine_id: str,
+                     kv_role: str = "kv_both", dtype: torch.dtype = torch.bfloat16,
+                     forward_context: dict[str, Any] | None = None):
+    """(vllm_config, kv_cache_config) as vLLM hands them to a connector: the parts it reads.
+    ``forward_context``: vLLM's attention layers by name (an fp8 cache's k/v scales)."""
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from turbowire.connector import worker as worker_mod
-    from turbowire.connector.config import TurboWireConfig
-
-    wire = transport if transport is not None else FakeTransport()
-    monkeypatch.setattr(worker_mod, "make_transport", lambda config, name: wire)
     ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role=kv_role,
                            kv_connector_extra_config=extra, engine_id=engine_id)
     vcfg = SimpleNamespace(
         kv_transfer_config=ktc,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
         model_config=SimpleNamespace(model="/m/tiny", served_model_name="tiny"),
-        speculative_config=None, compilation_config=SimpleNamespace(static_forward_context={}))
+        speculative_config=None,
+        compilation_config=SimpleNamespace(static_forward_context=forward_context or {}))
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
                              head_size=head_size, dtype=dtype)
     kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+    return vcfg, kcfg
+
+
+def make_worker(monkeypatch, extra: dict[str, Any], layer_names: list[str], *, engine_id: str,
+                transport: Any = None, **shape: Any):
+    """A TurboWireWorker built from ``stand_in_configs`` the way vLLM builds one, its NIXL
+    transport replaced by ``transport`` (a ``FakeTransport`` unless given)."""
+    from turbowire.connector import worker as worker_mod
+    from turbowire.connector.config import TurboWireConfig
+
+    wire = transport if transport is not None else FakeTransport()
+    monkeypatch.setattr(worker_mod, "make_transport", lambda config, name: wire)
+    vcfg, kcfg = stand_in_configs(extra, layer_names, engine_id=engine_id, **shape)
     cfg = TurboWireConfig.from_extra_config(extra, environ={})
     return worker_mod.TurboWireWorker(vcfg, kcfg, cfg, engine_id)
 
