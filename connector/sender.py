@@ -331,7 +331,6 @@ class Sender:
                 record=self.record,
                 staging=staging,
                 leases=GaugedLeases(self),
-                lease_seconds=self.config.lease_seconds,
                 bind_host=self.config.side_channel_bind,
                 port=self.side_channel_port,
                 auth_token=self.config.auth_token,

@@ -88,7 +88,6 @@ class PeerInfo:
     engine_id: str
     record: CompatibilityRecord
     staging: StagingInfo
-    lease_seconds: float
 
 
 def _with_tokens(
@@ -223,7 +222,6 @@ class SideChannelClient:
             engine_id=resp.engine_id,
             record=theirs,
             staging=StagingInfo.from_response(resp),
-            lease_seconds=resp.lease_seconds,
         )
 
     def release(

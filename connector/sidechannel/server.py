@@ -234,7 +234,6 @@ class _Servicer(pb_grpc.SideChannelServicer):
             agent_metadata=info.agent_metadata,
             agent_name=info.agent_name,
             staging=info.to_proto(),
-            lease_seconds=owner.lease_seconds,
         )
 
     def _ids(
@@ -336,7 +335,6 @@ class SideChannelServer:
         record: CompatibilityRecord,
         staging: Mapping[int, StagingInfo],
         leases: LeaseHandler,
-        lease_seconds: float,
         bind_host: str,
         port: int,
         auth_token: str | None,
@@ -347,7 +345,6 @@ class SideChannelServer:
         self.record = record
         self.staging = dict(staging)
         self.leases = leases
-        self.lease_seconds = lease_seconds
         self.counters = HandshakeCounters()
         interceptors = [_AuthInterceptor(auth_token)] if auth_token else []
         self._server = grpc.server(

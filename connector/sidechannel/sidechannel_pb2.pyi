@@ -63,20 +63,18 @@ class HandshakeRequest(_message.Message):
     def __init__(self, record: _Optional[_Union[CompatibilityRecord, _Mapping]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "record", "agent_metadata", "agent_name", "staging", "lease_seconds")
+    __slots__ = ("engine_id", "record", "agent_metadata", "agent_name", "staging")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
-    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     record: CompatibilityRecord
     agent_metadata: bytes
     agent_name: str
     staging: StagingGeometry
-    lease_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., record: _Optional[_Union[CompatibilityRecord, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., staging: _Optional[_Union[StagingGeometry, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., record: _Optional[_Union[CompatibilityRecord, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., staging: _Optional[_Union[StagingGeometry, _Mapping]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("request_ids", "engine_id", "tp_rank", "lease_tokens", "prompt_digests", "prompt_tokens")

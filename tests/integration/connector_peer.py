@@ -83,7 +83,6 @@ def serve(port_queue: mp.Queue, stop: mp.Event, leased: dict[str, list[int]], le
         record=record(),
         staging={0: info},
         leases=pool,
-        lease_seconds=lease_seconds,
         bind_host="127.0.0.1",
         port=0,
         auth_token=auth_token,

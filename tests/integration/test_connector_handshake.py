@@ -46,7 +46,6 @@ def server():
         record=peer.record(),
         staging={0: info},
         leases=StagingPool(8, 30.0),
-        lease_seconds=30.0,
         bind_host="127.0.0.1",
         port=0,
         auth_token=TOKEN,
@@ -79,7 +78,6 @@ def test_compatible_handshake_returns_geometry(server):
     assert info.record == peer.record()
     assert info.staging.agent_metadata == b"fake-nixl-metadata"
     assert info.staging.layer_offsets == (0, 1024, 2048)
-    assert info.lease_seconds == 30.0
     client.close()
 
 

@@ -31,7 +31,7 @@ def test_heartbeat_keeps_lease_and_expiry_frees_staging():
     info = StagingInfo("agent-P", b"meta", 4096, 4096, 6, (0, 1024, 2048), 0, "DRAM")
     server = SideChannelServer(
         engine_id="engine-P", record=peer.record(), staging={0: info}, leases=pool,
-        lease_seconds=1.0, bind_host="127.0.0.1", port=0, auth_token=None,
+        bind_host="127.0.0.1", port=0, auth_token=None,
     ).start()
     client = SideChannelClient("127.0.0.1", server.port, None, timeout=5)
     try:
@@ -70,7 +70,7 @@ def test_a_release_or_heartbeat_must_present_the_lease_token():
     info = StagingInfo("agent-P", b"meta", 4096, 4096, 6, (0, 1024, 2048), 0, "DRAM")
     server = SideChannelServer(
         engine_id="engine-P", record=peer.record(), staging={0: info}, leases=pool,
-        lease_seconds=30.0, bind_host="127.0.0.1", port=0, auth_token="shared-token-123",
+        bind_host="127.0.0.1", port=0, auth_token="shared-token-123",
     ).start()
     client = SideChannelClient("127.0.0.1", server.port, "shared-token-123", timeout=5)
     try:

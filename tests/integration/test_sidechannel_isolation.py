@@ -67,7 +67,7 @@ def healthy():
                        tuple(LAYOUT.layer_offsets), 0, "DRAM")
     server = SideChannelServer(
         engine_id="engine-P", record=peer.record(), staging={0: info}, leases=pool,
-        lease_seconds=30.0, bind_host="127.0.0.1", port=0, auth_token=TOKEN,
+        bind_host="127.0.0.1", port=0, auth_token=TOKEN,
     ).start()
     yield server, pool, lease
     server.stop()

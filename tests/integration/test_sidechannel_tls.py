@@ -164,7 +164,6 @@ def serve(
         record=peer.record(),
         staging={0: staging},
         leases=spy,
-        lease_seconds=30.0,
         bind_host="127.0.0.1",
         port=0,
         auth_token=token,
@@ -208,7 +207,7 @@ def test_tls_with_token_handshakes_and_serves_every_call(pki: Pki, tls_server: S
     before = tls_server.accepted
     info = c.handshake(peer.record(), "engine-D", 0)
     assert info.staging.agent_metadata == METADATA and info.staging.agent_name == AGENT
-    assert info.staging.layer_offsets == (0, 1024, 2048) and info.lease_seconds == 30.0
+    assert info.staging.layer_offsets == (0, 1024, 2048)
     assert tls_server.accepted == before + 1
     assert list(c.release(["nope"]).unknown) == ["nope"]
     assert list(c.heartbeat(["nope"]).unknown) == ["nope"]

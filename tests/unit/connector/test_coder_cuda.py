@@ -413,7 +413,7 @@ def _loader(refuse_layer: int | None = None):
     staging = StagingInfo("prefill-agent", b"md", 1 << 20, layout.slot_bytes, layout.num_slots,
                           tuple(layout.layer_offsets), 0, "DRAM")
     client = SimpleNamespace(
-        handshake=lambda record, engine_id, tp_rank: PeerInfo("p", None, staging, 30.0),
+        handshake=lambda record, engine_id, tp_rank: PeerInfo("p", None, staging),
         heartbeat=lambda ids, engine_id="", lease_tokens=None: SimpleNamespace(unknown=[],
                                                                                refused=[]),
         release=lambda ids, engine_id="", tp_rank=0, lease_tokens=None: SimpleNamespace(
