@@ -30,7 +30,7 @@ import torch
 
 from turbowire.connector import probe
 from turbowire.connector.coder import BlobPlan, CacheCoder, EncodedBlobs, make_coder
-from turbowire.connector.coder.host import decode_stored, wait_for_device
+from turbowire.connector.coder.host import wait_for_device
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, blocks_for_tokens
 from turbowire.connector.metadata import LoadReport, StoreChunk, StoreLoad, StoreSave
@@ -311,9 +311,9 @@ class StoreWorker:
             self.codec.check_compatible(chunk_header, layer, tag, self.scope.chunk_tokens,
                                         chunk.token_start)
             verify_body(chunk_header, data)
-        return decode_stored(self.codec, self.caches, load.block_ids, chunk.token_start,
-                             self.scope.chunk_tokens, layer_chunks, tag, source,
-                             load.first_token - chunk.token_start)
+        return self.coder.decode_chunks(load.block_ids, chunk.token_start,
+                                        self.scope.chunk_tokens, layer_chunks, tag, source,
+                                        load.first_token - chunk.token_start)
 
     def _discard(self, chunk: StoreChunk) -> None:
         try:

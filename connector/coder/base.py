@@ -155,6 +155,14 @@ class CacheCoder(Protocol):
         """Encode the store's chunks of a step into blobs."""
         ...
 
+    def decode_chunks(self, block_ids: Sequence[int], token_start: int, num_tokens: int,
+                      chunks: Sequence[tuple[int, int]], tag: int, source: torch.Tensor,
+                      skip: int) -> int:
+        """Decode one stored chunk's layer chunks (``(offset, bytes)`` in ``source``, every one
+        verified by the caller) into the caches, but for its first ``skip`` tokens (vLLM's
+        own); the tokens written. Bytes final on return."""
+        ...
+
 
 def check_sizes(written: Any, promised: Any, room: int | None, layer: int) -> None:
     """The one check of what the codec wrote: never more than the slot room (it would spill into

@@ -296,6 +296,13 @@ class CudaCoder:
         except TurboWireError:
             return host.encode_blobs(self.codec, self.caches, plan)
 
+    def decode_chunks(self, block_ids: Sequence[int], token_start: int, num_tokens: int,
+                      chunks: Sequence[tuple[int, int]], tag: int, source: torch.Tensor,
+                      skip: int) -> int:
+        """A stored chunk through the kernels' per-layer calls (Triton for these caches)."""
+        return host.decode_stored(self.codec, self.caches, block_ids, token_start, num_tokens,
+                                  chunks, tag, source, skip)
+
     def _encode_blobs(self, plan: BlobPlan) -> CudaBlobs:
         t0 = time.perf_counter()
         bases, total = [], 0

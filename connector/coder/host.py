@@ -192,3 +192,9 @@ class HostCoder:
     # ------------------------------------------------------------------ store
     def encode_chunks(self, plan: BlobPlan) -> HostBlobs:
         return encode_blobs(self.codec, self.caches, plan)
+
+    def decode_chunks(self, block_ids: Sequence[int], token_start: int, num_tokens: int,
+                      chunks: Sequence[tuple[int, int]], tag: int, source: torch.Tensor,
+                      skip: int) -> int:
+        return decode_stored(self.codec, self.caches, block_ids, token_start, num_tokens,
+                             chunks, tag, source, skip)

@@ -1635,6 +1635,7 @@ def store_blob(preset: str, token_start: int, form: str, data: st.DataObject) ->
     data=st.data(),
 )
 def store_decode_chunk(preset: str, chunk_index: int, skip: int, data: st.DataObject) -> None:
+    from turbowire.connector.coder import HostCoder
     from turbowire.connector.metadata import StoreChunk, StoreLoad
     from turbowire.connector.store_worker import StoreWorker
     from turbowire.store.blob import parse_header as parse_blob
@@ -1666,6 +1667,7 @@ def store_decode_chunk(preset: str, chunk_index: int, skip: int, data: st.DataOb
                                      layouts=[c.layout for c in caches],
                                      kv_scales=lambda layer: None),
     )
+    stub.coder = HostCoder(codec, None, stub.caches, None, None, None, None)  # its store decode
     ids = list(range(NUM_BLOCKS))[::-1][:4]
     first = token_start + (skip if skip else 0)
     load = StoreLoad("r", ids, first, [StoreChunk(token_start, chash)])
