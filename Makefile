@@ -102,12 +102,13 @@ bench-e2e: setup
 # turbowire/ folder (codec/ and kernels/ are remapped into the package, not inside it) does not
 # shadow the installed package; the root comes after GPU_SITE, for `bench`.
 GPU_SITE ?= /tmp/turbowire-site
-BENCH_PY := $(if $(wildcard $(PY)),$(PY),PYTHONSAFEPATH=1 PYTHONPATH=$(GPU_SITE):. python3)
+GPU_PYTHON ?= python3
+BENCH_PY := $(if $(wildcard $(PY)),$(PY),PYTHONSAFEPATH=1 PYTHONPATH=$(GPU_SITE):. $(GPU_PYTHON))
 GPU_INSTALL := $(if $(wildcard $(PY)),,gpu-install)
 
 gpu-install:
 	rm -rf build $(GPU_SITE)
-	TURBOWIRE_SKIP_C_BUILD=1 python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+	TURBOWIRE_SKIP_C_BUILD=1 $(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index \
 	  --target $(GPU_SITE) .
 
 # Triton codec kernels on a CUDA GPU (the H200 machine): bit-exactness vs the reference on the
