@@ -170,12 +170,17 @@ def run_load(rig: LoadRig, loads: int) -> dict[str, Any]:
         load_once(rig, f"n{i}", False)
     r: dict[str, Any] = {}
     runs: dict[str, list[dict[str, float]]] = {}
+    graphs = getattr(getattr(rig.d.coder, "decoder", None), "graphs", None)  # CUDA coder's
+    replays0 = graphs.replays if graphs is not None else 0
     for kind, hold, two in (("held", True, False), ("at_once", False, False),
                             ("two_polls", True, True)):
         rig.poison()
         runs[kind] = [load_once(rig, f"{kind}{i}", hold, two) for i in range(loads)]
         r[f"decode_equal_{kind}_loads"] = rig.equal_reference()
     held = runs["held"]
+    if graphs is not None:  # 0 replays: the loads launched directly (a capture failed)
+        r["load_graph_replays"] = graphs.replays - replays0
+        r["load_graphs_enabled"] = graphs.enabled
     r["load_ms"] = median(held, "landed")  # bytes landed -> finished: the path's own cost
     r["load_post_ms"] = median(held, "post")  # start_load_kv: READs posted, plan prepared
     r["load_to_first_launch_ms"] = median(held, "to_first_launch")
