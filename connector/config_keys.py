@@ -29,7 +29,7 @@ from turbowire.secret_file import read_secret_file
 
 __all__ = [
     "AUTH_TOKEN_ENV", "CONFIG_KEYS", "CONFIG_KEYS_BY_NAME", "ConfigKey",
-    "DEFAULT_CLAIM_TIMEOUT_SECONDS", "DEFAULT_DECODE_PIPELINE_GROUPS",
+    "DEFAULT_CLAIM_TIMEOUT_SECONDS", "MIN_CLAIM_TIMEOUT_SECONDS", "DEFAULT_DECODE_PIPELINE_GROUPS",
     "DEFAULT_LEASE_MAX_SECONDS", "DEFAULT_LEASE_SECONDS", "DEFAULT_MAX_PEERS",
     "DEFAULT_NIXL_PROGRESS_DELAY_US", "DEFAULT_PRESET", "DEFAULT_SIDE_CHANNEL_PORT",
     "DEFAULT_STAGING_BYTES", "DEFAULT_STORE_CHUNK_TOKENS", "DEFAULT_STORE_LOCAL_CPU_BYTES",
@@ -57,6 +57,9 @@ MAX_LEASE_SECONDS = 86400.0
 DEFAULT_LEASE_SECONDS = 30.0
 #: A lease token (``secrets`` hex) as the params and the side channel accept it.
 MAX_LEASE_TOKEN_CHARS = 128
+#: A lease's first claim or heartbeat: the decode engine's first heartbeat goes out well within
+#: the minimum (receiver.FIRST_HEARTBEAT_S)
+MIN_CLAIM_TIMEOUT_SECONDS = 2.0
 DEFAULT_CLAIM_TIMEOUT_SECONDS = 10.0
 DEFAULT_LEASE_MAX_SECONDS = 120.0
 DEFAULT_MAX_PEERS = 64
@@ -183,7 +186,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ),
     ConfigKey(
         "claim_timeout_seconds",
-        Seconds(2.0),
+        Seconds(MIN_CLAIM_TIMEOUT_SECONDS),
         "A new lease expires after this long (at most `lease_seconds`) unless the decode engine "
         "claims or heartbeats it (it does so as soon as the request arrives): params a client "
         "never hands to a decode engine hold the staging pool this long, not `lease_seconds`.",

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from turbowire.connector.config import MIN_CLAIM_TIMEOUT_SECONDS
 from turbowire.connector.geometry import block_tag, blocks_for_tokens, tokens_in_block
 from turbowire.connector.metadata import LoadBlock, LoadReport, LoadRequest, PeerAddress
 from turbowire.connector.params import (
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: A waiting decode request's first heartbeat goes out this long after it arrived (its load's
-#: claim usually comes first): well within the prefill engine's claim_timeout_seconds (>= 2 s)
-FIRST_HEARTBEAT_S = 1.0
+#: claim usually comes first): well within the prefill engine's claim_timeout_seconds
+FIRST_HEARTBEAT_S = MIN_CLAIM_TIMEOUT_SECONDS / 2
 MAX_LET_GO = 65536  # remembered released leases (a few MiB at most)
 
 
