@@ -7,23 +7,20 @@ flight; once a poll finds both landed, the link outpaces the engine's polls and 
 goes out in one READ), claims the prefill lease while they move, and decodes each group as soon
 as it has landed (nothing is decoded before the claim confirms the lease) while the later groups
 are still on the wire, each run of consecutive groups that landed together in one decode call.
-A decode may come back as a handle still running on the GPU (``PendingDecode``): the load
-finishes once all of them ran and none refused a chunk (one wait per load, when its last group
-is handed over); it reports the load finished and, at the next poll, tells the prefill engine
-to release the lease. Any failure lands in the failed set with its metric reason; a READ that
-may still be writing when its load fails keeps its receive range quarantined.
-
-The claim presents this engine's own prompt (digest and token count, ``LoadRequest.
-prompt_digest``): the prefill engine refuses a lease it staged for another prompt, so params of
-one prompt presented with another fail as ``prompt_mismatch`` before anything is decoded, even
-when their ``turbowire_prompt_hash`` was replaced.
+Each decode comes back as a handle (``PendingDecode``; the CUDA coder's may still be running):
+the load finishes once all of them ran and none refused a chunk (one wait per load, when its
+last group is handed over); it reports the load finished and, at the next poll, tells the
+prefill engine to release the lease. Any failure lands in the failed set with its metric
+reason; a READ that may still be writing when its load fails keeps its receive range
+quarantined. The claim presents this engine's own prompt (``LoadRequest.prompt_digest``): a
+lease staged for another prompt fails as ``prompt_mismatch`` before anything is decoded.
 
 Its parts: ``loader_peers`` (handshakes, claims, releases on per-peer lanes), ``read_plan``
 (the READs' groups and descriptor rows), ``loader_failures`` (a failed load, its quarantined
 receive range).
 
-Everything it talks to is injected (transport, side-channel clients, executor, the decode of a
-layer group into the paged cache), so a fake transport can unit-test it
+Everything it talks to is injected (transport, side-channel clients, executor, the coder's
+decode of a layer group into the paged cache), so a fake transport can unit-test it
 (tests/unit/connector/test_loader.py), as vLLM tests its NIXL worker with a fake wrapper.
 """
 
