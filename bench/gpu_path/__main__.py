@@ -1,7 +1,7 @@
 """``python -m bench.gpu_path``: the connector's worker-side GPU path, driven as vLLM's model
 runner drives it (issue 18), against the installed turbowire's public names only.
 
-On the GPU machine (torch + triton; vLLM, NIXL and gRPC stood in for where missing):
+On the GPU machine (torch, triton, grpc; vLLM and NIXL stood in for where missing):
 ``PYTHONPATH=/tmp/site python3 -m bench.gpu_path --out $OUT``. ``TW_BENCH_SMOKE=1``: CPU and
 Triton's interpreter, tiny shapes (the code paths run, nothing is timed meaningfully).
 

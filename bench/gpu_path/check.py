@@ -1,6 +1,6 @@
 """Bit-exactness on this device: the connector's path against the reference codec.
 
-A small model (4 layers, 8 KV heads, hd128; smoke: 3 x 1), two requests (one partial block, one
+A small model (4 layers, 8 KV heads, hd128; smoke: 2 x 1), two requests (one partial block, one
 starting mid-sequence), per-layer and one-launch saves: staged chunks byte-equal to the
 reference encode; request "a" loaded by a decode worker's loader (2 layer groups) equal to the
 reference decode of the same bytes; a corrupt chunk refused (the load fails, nothing of that
@@ -80,7 +80,7 @@ def reference_decode(d: Any, save: Any, offsets: Any, dids: list[int], names: li
 def connector_check(preset: str, log: Log) -> dict[str, Any]:
     """See the module; ``ok`` is every part."""
     out: dict[str, Any] = {"preset": preset}
-    layers, heads, dim, nb = (3, 1, 128, 64) if SMOKE else (4, 8, 128, 64)
+    layers, heads, dim, nb = (2, 1, 128, 64) if SMOKE else (4, 8, 128, 64)
     ntok_a, ntok_b = (20, 40) if SMOKE else (300, 200)
     names = layer_names(layers)
     g = torch.Generator(device=DEVICE).manual_seed(11)
@@ -181,7 +181,7 @@ def store_check(preset: str, log: Log) -> dict[str, Any]:
     from turbowire.connector.store_worker import StoreWorker
     from turbowire.store.keys import StoreScope
 
-    layers, heads, dim, nb = (3, 1, 128, 32) if SMOKE else (4, 8, 128, 64)
+    layers, heads, dim, nb = (2, 1, 128, 32) if SMOKE else (4, 8, 128, 64)
     chunk = 32 if SMOKE else 256
     g = torch.Generator(device=DEVICE).manual_seed(13)
     src = {n: torch.randn(2, nb, BLOCK, heads, dim, generator=g, device=DEVICE)

@@ -1,12 +1,11 @@
-"""Stand-ins for the third-party modules the GPU machine lacks (vLLM, NIXL, gRPC), installed
-before turbowire is imported. They replace other people's packages only, never turbowire's code,
-with one exception where gRPC is missing (see ``stub_side_channel_client``)."""
+"""Stand-ins for the third-party modules the GPU machine lacks (vLLM, NIXL), installed before
+turbowire is imported. They replace other people's packages only, never turbowire's code (gRPC
+and protobuf, which the worker imports for its side channel, must be installed)."""
 
 from __future__ import annotations
 
 import sys
 import types
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -121,54 +120,6 @@ def stub_nixl() -> None:
     api.nixl_agent_config = lambda backends=(): SimpleNamespace(backends=backends)
 
 
-class _PeerExecutors:
-    """The worker's per-peer executor, one pool for all (the bench's loads run inline)."""
-
-    def __init__(self, max_peers: int, threads_per_peer: int = 2, **kw: Any) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads_per_peer)
-
-    def submit_to(self, key: Any, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        return self._pool.submit(fn, *args, **kwargs)
-
-    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        return self._pool.submit(fn, *args, **kwargs)
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
-
-
-class _ClientPool:
-    """The side channel's client pool: the bench gives the loader its own fake clients."""
-
-    @classmethod
-    def from_config(cls, config: Any) -> _ClientPool:
-        return cls()
-
-    def get(self, host: str, port: int) -> Any:
-        raise RuntimeError("the benchmark gives its loaders fake side-channel clients")
-
-    def close(self) -> None:
-        pass
-
-
-class _PeerTimeoutError(TimeoutError):
-    pass
-
-
-def stub_side_channel_client() -> None:
-    """Where gRPC (and its generated protobuf code) is not installed, the side channel's client
-    module cannot be imported, and ``connector/worker.py`` imports it at the top (for
-    ``PeerExecutors``). This registers a stand-in under the product's module name: the one place
-    the bench stands in for turbowire code (the report of issue 34 asks for a gRPC-free import
-    of ``PeerExecutors``)."""
-    stub = types.ModuleType("turbowire.connector.sidechannel.client")
-    stub.ClientPool = _ClientPool
-    stub.PeerExecutors = _PeerExecutors
-    stub.PeerInfo = SimpleNamespace
-    stub.PeerTimeoutError = _PeerTimeoutError
-    sys.modules[stub.__name__] = stub
-
-
 def install() -> list[str]:
     """Install what this machine lacks; returns the names of the stand-ins installed."""
     installed = ["nixl"]
@@ -178,10 +129,4 @@ def install() -> list[str]:
     except ImportError:
         stub_vllm()
         installed.append("vllm")
-    try:
-        import google.protobuf  # noqa: F401
-        import grpc  # noqa: F401
-    except ImportError:
-        stub_side_channel_client()
-        installed.append("side-channel client")
     return installed
