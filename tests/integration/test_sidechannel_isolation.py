@@ -15,6 +15,7 @@ import pytest
 from support.blackhole import BlackHole
 
 from turbowire.codec import Codec
+from turbowire.connector.coder.base import DoneDecode
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.geometry import StagingLayout
 from turbowire.connector.loader import KVLoader, LocalEnd
@@ -85,7 +86,8 @@ def _loader(executor) -> tuple[KVLoader, list[str], TurboWireConnectorStats]:
         config, GEO, LAYOUT, lambda layer, tokens, index: CODEC.encoded_nbytes(
             layer, tokens, 2, index * GEO.block_size),
         local, Transport(), ClientPool.from_config(config), ByteRanges(1 << 20),
-        lambda load, layers, off, offsets: decoded.append(load.request_id), executor, stats,
+        lambda load, layers, off, offsets: decoded.append(load.request_id) or DoneDecode(layers),
+        executor, stats,
     )
     return loader, decoded, stats
 
