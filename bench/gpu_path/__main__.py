@@ -51,8 +51,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu_path",
-                                 description=(__doc__ or "").splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.gpu_path",
+        description="The connector's GPU path as vLLM drives it: bit-exactness checks, the save "
+                    "vs a stand-in forward, a load vs the one-launch decode.")
     ap.add_argument("--out", type=Path,
                     default=Path(os.environ.get("OUT", "bench/results/gpu_connector_path")))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
