@@ -91,7 +91,7 @@ def build(d: TurboWireWorker, transport: FakeTransport, save: SaveRequest, rid: 
     """Decode the landed bytes once with the one-launch decode: the loads' reference."""
     assert d.caches is not None
     rig = LoadRig(d, transport, save, rid, preset, block_ids, offsets, names, {})
-    plan = rig.one_launch_plan(None)
+    plan = rig.one_launch_plan(getattr(d.coder, "kernel_config", None))  # the loads' shape
     plan.launch()
     plan.check()
     sync()
@@ -196,7 +196,7 @@ def run_load(rig: LoadRig, loads: int) -> dict[str, Any]:
     builds = []
     for _ in range(3):
         t0 = time.perf_counter()
-        plan = rig.one_launch_plan(None)
+        plan = rig.one_launch_plan(getattr(rig.d.coder, "kernel_config", None))
         builds.append((time.perf_counter() - t0) * 1e3)
     r["host_ms_load_plan_build"] = statistics.median(builds)
     plan.launch()
