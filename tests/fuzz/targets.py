@@ -1038,8 +1038,7 @@ def sidechannel_record(msg: Any, local_spec: str, engine_id: str, tp_rank: int) 
                 assert err is None
             attempt("CompatibilityRecord.check", a.check, b)
     owner = types.SimpleNamespace(record=ours, counters=HandshakeCounters(),
-                                  staging={0: _staging_info()}, engine_id="eng-p",
-                                  lease_seconds=30.0)
+                                  staging={0: _staging_info()}, engine_id="eng-p")
     req = _pb().HandshakeRequest(record=msg, engine_id=engine_id, tp_rank=tp_rank)
     ctx = FakeContext()
     exc, resp = attempt("SideChannel Handshake", _Servicer(owner).Handshake, req, ctx,
@@ -1071,7 +1070,6 @@ def handshake_responses(draw: Any) -> Any:
             layer_offsets=offsets, device_id=draw(_uint32()),
             mem_type=draw(st.one_of(st.sampled_from(["DRAM", "VRAM"]), _wire_text(8))),
         ),
-        lease_seconds=draw(st.floats(allow_nan=True, allow_infinity=True)),
     )
 
 
