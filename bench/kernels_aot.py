@@ -20,7 +20,6 @@ layout conversions through shared memory). Triton versions differ in the layouts
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
@@ -30,7 +29,6 @@ from typing import Any
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -38,6 +36,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from turbowire.codec import Codec  # noqa: E402
 from turbowire.kernels import triton_codec as tk  # noqa: E402
 from turbowire.kernels import triton_dispatch as td  # noqa: E402
+from turbowire.kernels.triton_common import kernel_constants  # noqa: E402
 
 POINTERS = {"kv_ptr": "*bf16", "out_ptr": "*u8", "src_ptr": "*u8", "items_ptr": "*i64",
             "blocks_ptr": "*i32", "tab_ptr": "*fp32", "acc_ptr": "*i32", "fail_ptr": "*i32",
@@ -99,22 +98,7 @@ def sass_summary(kernel: Any, top: int = 12) -> str:
 def constants(preset: str, dim: int, cfg: td.KernelConfig, encode: bool) -> dict[str, Any]:
     codec = Codec(preset, dim, 32)
     pol = codec.policy(codec.num_layers // 2)
-    tf = td._transforms(pol.k, pol.v)
-    lanes = cfg.lanes_for(dim, encode, tf)
-    bt = cfg.tile_rows_for(dim, encode, tf)
-    cx: dict[str, Any] = {**td._stream_consts(pol.k, dim).prefixed("K"),
-                          **td._stream_consts(pol.v, dim).prefixed("V"),
-                          "D": dim, "L": lanes, "BT": bt, "S1M": td._sign_mask(dim, 0),
-                          "S2M": td._sign_mask(dim, 1)}
-    if encode:
-        sbt = cfg.sum_rows_for(dim, tf)
-        cx.update(SBT=sbt, LV=max(256 // sbt, 1).bit_length() - 1, QMODE=cfg.qmode,
-                  FP8_MANUAL=False, NUM_WARPS=cfg.num_warps,
-                  SMAJOR=cfg.encode_stream_major,
-                  SQRT_D=float(torch.tensor(math.sqrt(dim), dtype=torch.float32)))
-    else:
-        cx.update(MANUAL=False, SPLIT=cfg.decode_split, BLOCKW=cfg.verify_words_for())
-    return cx
+    return kernel_constants(pol.k, pol.v, dim, cfg, encode)
 
 
 def main() -> int:

@@ -597,3 +597,25 @@ def _decode_calls(
              (cache, source, table, blocks, tab, status, fail, *strides, bs, heads, preset_id,
               num_layers),
              dict(shape, SPLIT=cfg.decode_split, BLOCKW=cfg.verify_words_for()))]
+
+
+def kernel_constants(kspec: StreamSpec, vspec: StreamSpec, dim: int, cfg: KernelConfig,
+                     encode: bool, max_tokens: int = 256) -> dict[str, Any]:
+    """The compile-time arguments the plans give the encode kernel (``encode``) or the fused
+    decode kernel for one layer policy, chunks of up to ``max_tokens`` tokens: what an
+    ahead-of-time compile of the same kernels needs (bench/kernels_aot.py)."""
+    tf = _transforms(kspec, vspec)
+    cx: dict[str, Any] = {**_stream_consts(kspec, dim).prefixed("K"),
+                          **_stream_consts(vspec, dim).prefixed("V"),
+                          "D": dim, "L": cfg.lanes_for(dim, encode, tf),
+                          "BT": cfg.tile_rows_for(dim, encode, tf),
+                          "S1M": _sign_mask(dim, 0), "S2M": _sign_mask(dim, 1)}
+    if encode:
+        sbt = cfg.sum_rows_for(dim, tf)
+        cx.update(SBT=sbt, LV=max(max_tokens // sbt, 1).bit_length() - 1, QMODE=cfg.qmode,
+                  FP8_MANUAL=interpreting(), NUM_WARPS=cfg.num_warps,
+                  SMAJOR=cfg.stream_major_for(kspec, vspec),
+                  SQRT_D=float(torch.tensor(math.sqrt(dim), dtype=torch.float32)))
+    else:
+        cx.update(MANUAL=interpreting(), SPLIT=cfg.decode_split, BLOCKW=cfg.verify_words_for())
+    return cx

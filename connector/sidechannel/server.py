@@ -198,7 +198,10 @@ class HandshakeCounters:
     refused: int = 0
 
 
-class _Servicer(pb_grpc.SideChannelServicer):
+class SideChannelHandler(pb_grpc.SideChannelServicer):
+    """The side channel's RPCs (handshake, leases, pool status) over a ``SideChannelServer``;
+    public so that tests and fuzz targets can drive it without a gRPC server."""
+
     def __init__(self, owner: SideChannelServer) -> None:
         self._owner = owner
         self._unknown_logged = 0.0  # monotonic time of the last "unknown leases" line
@@ -357,7 +360,7 @@ class SideChannelServer:
             ],
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
-        pb_grpc.add_SideChannelServicer_to_server(_Servicer(self), self._server)
+        pb_grpc.add_SideChannelServicer_to_server(SideChannelHandler(self), self._server)
         address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
         self.tls_mode = tls.mode if tls is not None else "plaintext"
         cannot_bind = (

@@ -1025,7 +1025,7 @@ def _record_regressions() -> list[dict[str, Any]]:
 def sidechannel_record(msg: Any, local_spec: str, engine_id: str, tp_rank: int) -> None:
     from turbowire.connector.compat import IncompatiblePeerError
     from turbowire.connector.sidechannel.convert import MAX_LAYERS, record_from_proto
-    from turbowire.connector.sidechannel.server import HandshakeCounters, _Servicer
+    from turbowire.connector.sidechannel.server import HandshakeCounters, SideChannelHandler
 
     ours = _local_record(local_spec)
     exc, theirs = attempt("record_from_proto", record_from_proto, msg)
@@ -1041,7 +1041,7 @@ def sidechannel_record(msg: Any, local_spec: str, engine_id: str, tp_rank: int) 
                                   staging={0: _staging_info()}, engine_id="eng-p")
     req = _pb().HandshakeRequest(record=msg, engine_id=engine_id, tp_rank=tp_rank)
     ctx = FakeContext()
-    exc, resp = attempt("SideChannel Handshake", _Servicer(owner).Handshake, req, ctx,
+    exc, resp = attempt("SideChannel Handshake", SideChannelHandler(owner).Handshake, req, ctx,
                         allowed=(_Aborted,))
     if exc is None:
         assert isinstance(resp, _pb().HandshakeResponse)
@@ -1191,7 +1191,7 @@ def _lease_regressions() -> list[dict[str, Any]]:
 )
 def sidechannel_lease(leases: list[tuple[str, int]],
                       calls: list[tuple[str, list[str], int, str]]) -> None:
-    from turbowire.connector.sidechannel.server import _Servicer
+    from turbowire.connector.sidechannel.server import SideChannelHandler
     from turbowire.connector.staging import StagingPool
 
     pool = StagingPool(num_slots=32, lease_seconds=30.0)
@@ -1203,7 +1203,7 @@ def sidechannel_lease(leases: list[tuple[str, int]],
         token_of[rid] = pool.lease(rid, consumers=n).token
         consumers[rid] = n
     released: dict[str, set[int]] = {rid: set() for rid, _ in leases}
-    servicer = _Servicer(types.SimpleNamespace(leases=pool))
+    servicer = SideChannelHandler(types.SimpleNamespace(leases=pool))
     for verb, ids, rank, proof in calls:
         tokens = {"token": [token_of.get(rid, "0" * 32) for rid in ids], "none": [],
                   "wrong": ["f" * 32 for _ in ids]}[proof]
@@ -1266,7 +1266,7 @@ _DIGESTS = ("a" * 24, "b" * 24, "")
 )
 def sidechannel_claim_prompt(staged: list[tuple[str, int]],
                              calls: list[tuple[list[int], list[str], list[int], bool]]) -> None:
-    from turbowire.connector.sidechannel.server import _Servicer
+    from turbowire.connector.sidechannel.server import SideChannelHandler
     from turbowire.connector.staging import StagingPool
 
     pool = StagingPool(num_slots=16, lease_seconds=30.0)
@@ -1274,7 +1274,7 @@ def sidechannel_claim_prompt(staged: list[tuple[str, int]],
     for i, (digest, n) in enumerate(staged):
         pool.reserve(f"r{i}", 1)
         token_of[f"r{i}"] = pool.lease(f"r{i}", prompt_digest=digest, num_tokens=n).token
-    servicer = _Servicer(types.SimpleNamespace(leases=pool))
+    servicer = SideChannelHandler(types.SimpleNamespace(leases=pool))
     for idx, digests, counts, with_token in calls:
         ids = [f"r{i}" for i in idx]
         tokens = [token_of.get(rid, "0" * 32) if with_token else "f" * 32 for rid in ids]

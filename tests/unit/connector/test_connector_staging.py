@@ -242,11 +242,11 @@ def test_the_side_channel_tells_a_refused_claim_from_an_expired_lease():
     from types import SimpleNamespace
 
     from turbowire.connector.sidechannel.client import SideChannelClient
-    from turbowire.connector.sidechannel.server import _Servicer
+    from turbowire.connector.sidechannel.server import SideChannelHandler
 
     pool = StagingPool(num_slots=8, lease_seconds=10)
     held, gone = _leased(pool, "held"), _leased(pool, "gone")
-    servicer = _Servicer(SimpleNamespace(leases=pool))
+    servicer = SideChannelHandler(SimpleNamespace(leases=pool))
     sent: list[tuple[list[str], list[str]]] = []
 
     def call(method):
@@ -383,12 +383,12 @@ def test_the_side_channel_answers_a_mismatched_claim_in_its_own_field():
     from types import SimpleNamespace
 
     from turbowire.connector.sidechannel.client import SideChannelClient
-    from turbowire.connector.sidechannel.server import _Servicer
+    from turbowire.connector.sidechannel.server import SideChannelHandler
 
     pool = StagingPool(num_slots=8, lease_seconds=10)
     pool.reserve("r", 1)
     lease = pool.lease("r", prompt_digest="d" * 24, num_tokens=9)
-    servicer = _Servicer(SimpleNamespace(leases=pool))
+    servicer = SideChannelHandler(SimpleNamespace(leases=pool))
     aborted: list[str] = []
 
     class Ctx:
