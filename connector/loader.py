@@ -161,7 +161,7 @@ class KVLoader(PeerLinks, LoadFailures):
         self._transport = transport
         self._clients = clients
         self._recv_ranges = recv_ranges
-        self._decode = decode
+        self.decode = decode  # the coder's decode of a landed run (swappable, as ``prepare``)
         self.prepare = prepare
         self._executor = executor
         self.stats = stats
@@ -428,7 +428,7 @@ class KVLoader(PeerLinks, LoadFailures):
         t0 = time.perf_counter()
         assert job.chunk_offsets is not None
         with probe.mark("loader.decode"):
-            job.pending.append(self._decode(job.load, layers, job.recv_offset, job.chunk_offsets))
+            job.pending.append(self.decode(job.load, layers, job.recv_offset, job.chunk_offsets))
         return time.perf_counter() - t0
 
     def _complete(self, job: LoadJob, transfer_seconds: float, decode_seconds: float) -> None:

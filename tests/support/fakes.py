@@ -160,7 +160,7 @@ def use_cuda_coder(worker, kernel_config: Any = "auto") -> Any:
     coder = worker.make_coder("cuda", kernel_config=kernel_config)
     worker.coder = coder
     if worker.loader is not None:
-        worker.loader._decode = coder.decode
+        worker.loader.decode = coder.decode
         worker.loader.prepare = coder.prepare_load
     if worker.store is not None:
         worker.store.coder = coder

@@ -126,13 +126,13 @@ def test_a_load_handshakes_claims_reads_in_groups_decodes_in_order_and_releases(
 def test_landed_read_handles_are_released_after_their_decode_is_launched():
     r = rig()
     seen: list[list[bool]] = []
-    decode = r.loader._decode
+    decode = r.loader.decode
 
     def watching(load, layers, recv_offset, chunk_offsets):
         seen.append([x.released for x in r.transport.reads])
         return decode(load, layers, recv_offset, chunk_offsets)
 
-    r.loader._decode = watching
+    r.loader.decode = watching
     r.loader.start([request()])
     assert drive(r) == ({"r1"}, set())
     # the handles of the run being decoded are still held during the call, then released
@@ -293,7 +293,7 @@ def test_a_finished_load_and_its_decode_handles_are_freed_at_the_next_call_not_b
         handles.append(weakref.ref(h))
         return h
 
-    r.loader._decode = decode
+    r.loader.decode = decode
     r.loader.start([request()])
     job = weakref.ref(r.loader._jobs[0])
     finished = poll_until_finished(r)
@@ -446,13 +446,13 @@ def test_a_quarantined_range_is_not_reused_while_a_read_may_still_write():
     r = rig()
     quarantined = _fail_first_group_keep_second_pending(r)
     offsets: list[tuple[str, int]] = []
-    original = r.loader._decode
+    original = r.loader.decode
 
     def spy(load, layers, recv_offset, chunk_offsets):
         offsets.append((load.request_id, recv_offset))
         return original(load, layers, recv_offset, chunk_offsets)
 
-    r.loader._decode = spy
+    r.loader.decode = spy
     # a second load while the stale READ is on the wire: it lands in a disjoint range
     r.loader.start([request("r2")])
     stale = r.transport.reads[1]
