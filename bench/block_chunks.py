@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from turbowire.codec import Codec  # noqa: E402
 from turbowire.kernels import EncodeItem, PagedKVLayout, encode_into  # noqa: E402
-from turbowire.kernels.triton_dispatch import KernelConfig  # noqa: E402
+from turbowire.kernels.triton_launch import KernelConfig  # noqa: E402
 from turbowire.kernels.triton_plans import ChunkSet, EncodeLayersPlan  # noqa: E402
 
 LAYERS, HEADS, DIM, TOKENS, BLOCK = 32, 8, 128, 4096, 16

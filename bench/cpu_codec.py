@@ -40,7 +40,7 @@ from turbowire.kernels import (
     DecodeItem,
     EncodeItem,
     PagedKVLayout,
-    cpu_dispatch,
+    cpu_binding,
     decode_into,
     encode_into,
 )
@@ -249,14 +249,14 @@ def main() -> None:
     args.head_dims = [int(d) for d in args.head_dims.split(",") if d]
     args.layouts = [s for s in args.layouts.split(",") if s]
     torch.set_num_threads(1)
-    if not cpu_dispatch.available():
+    if not cpu_binding.available():
         raise SystemExit("the C codec is not built: pip install --no-build-isolation -e .")
     console = Console(width=200)
     amx = "yes" if "amx_tile" in open("/proc/cpuinfo").read() else "no"
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"affinity {affinity}, ISA {cpu_dispatch.isa()}, AMX {amx}, block size {args.block_size}, "
+        f"affinity {affinity}, ISA {cpu_binding.isa()}, AMX {amx}, block size {args.block_size}, "
         f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}"
     )
     console.print(f"[bold]CPU codec[/bold]  {machine}")

@@ -49,7 +49,7 @@ from turbowire.kernels import (  # noqa: E402
     decode_into,
     encode_into,
 )
-from turbowire.kernels.triton_dispatch import (  # noqa: E402
+from turbowire.kernels.triton_launch import (  # noqa: E402
     DecodePlan,
     EncodePlan,
     KernelConfig,

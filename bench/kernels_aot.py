@@ -35,7 +35,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from turbowire.codec import Codec  # noqa: E402
 from turbowire.kernels import triton_codec as tk  # noqa: E402
-from turbowire.kernels import triton_dispatch as td  # noqa: E402
+from turbowire.kernels import triton_launch as td  # noqa: E402
 from turbowire.kernels.triton_common import kernel_constants  # noqa: E402
 
 POINTERS = {"kv_ptr": "*bf16", "out_ptr": "*u8", "src_ptr": "*u8", "items_ptr": "*i64",

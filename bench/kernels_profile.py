@@ -14,7 +14,7 @@ import torch
 from bench import kernels as kb  # caches, items, shapes (and TW_BENCH_SMOKE=1's CPU mode)
 from turbowire.codec import Codec
 from turbowire.kernels import PagedKVLayout
-from turbowire.kernels.triton_dispatch import DecodePlan, EncodePlan
+from turbowire.kernels.triton_launch import DecodePlan, EncodePlan
 
 
 def main() -> int:

@@ -81,7 +81,10 @@ def time_side(out: Path) -> None:
 
     from turbowire.codec import Codec
     from turbowire.kernels import DecodeItem, EncodeItem, PagedKVLayout
-    from turbowire.kernels.triton_dispatch import DecodePlan, EncodePlan
+    try:
+        from turbowire.kernels.triton_launch import DecodePlan, EncodePlan
+    except ImportError:  # a baseline from before 2026-12-04 (the module's earlier name)
+        from turbowire.kernels.triton_dispatch import DecodePlan, EncodePlan  # type: ignore
 
     dev = "cpu" if SMOKE else "cuda"
     nb = TOKENS // BLOCK + 64

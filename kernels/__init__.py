@@ -11,9 +11,9 @@ The front door (``kernels/dispatch.py``, re-exported here):
 Each call picks the implementation for the cache at hand (``impl="auto"``); all of them write the
 same bytes as the reference codec and raise the same exceptions:
 
-* Triton (``triton_dispatch`` host side, ``triton_codec`` kernels) for CUDA caches; the
+* Triton (``triton_launch`` host side, ``triton_codec`` kernels) for CUDA caches; the
   multi-layer variants batch all layers in one launch per layer policy;
-* the C codec (``cpu_dispatch`` over the extension built from ``kernels/cpu/``) for CPU
+* the C codec (``cpu_binding`` over the extension built from ``kernels/cpu/``) for CPU
   bf16/fp16 caches when it is built and applies;
 * the reference (``turbowire.codec`` with vectorised torch gather/scatter) everywhere else; on
   CPU the multi-layer variants loop over the per-layer calls.
@@ -38,7 +38,7 @@ never import ``dispatch`` (tests/unit/test_kernels_imports.py checks it).
 """
 
 from turbowire.kernels.cpu_attn_layout import cpu_attn_layout
-from turbowire.kernels.cpu_dispatch import served_by
+from turbowire.kernels.cpu_binding import served_by
 from turbowire.kernels.dispatch import (
     decode_into,
     decode_layers_into,

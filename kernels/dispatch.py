@@ -7,9 +7,9 @@ implementation for the cache at hand.
 
 Implementations, chosen per call by ``impl`` ("auto" unless a test or benchmark pins one):
 
-* ``triton_dispatch`` for CUDA caches (also on CPU under ``TRITON_INTERPRET=1`` with
+* ``triton_launch`` for CUDA caches (also on CPU under ``TRITON_INTERPRET=1`` with
   ``impl="triton"``); the multi-layer variants batch all layers in one launch per layer policy.
-* ``cpu_dispatch``, the C codec (kernels/cpu/), for CPU bf16/fp16 caches where it is built and
+* ``cpu_binding``, the C codec (kernels/cpu/), for CPU bf16/fp16 caches where it is built and
   applies (``impl="cpu"`` requires it).
 * the reference codec (``turbowire.codec``) with vectorised torch gather/scatter elsewhere
   (``impl="reference"``).
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from turbowire.codec import Codec
-from turbowire.kernels import cpu_dispatch, fp8_cache, triton_dispatch
+from turbowire.kernels import cpu_binding, fp8_cache, triton_launch
 from turbowire.kernels.fp8_cache import KVScales
 from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
 from turbowire.kernels.paged import PagedKVLayout
@@ -53,7 +53,7 @@ def _use_triton(impl: str, codec: Codec, kv_cache: torch.Tensor) -> bool:
     for tests) or "reference"."""
     if impl not in ("auto", "triton", "cpu", "reference"):
         raise ValueError(f"impl must be 'auto', 'triton', 'cpu' or 'reference', got {impl!r}")
-    return impl == "triton" or (impl == "auto" and triton_dispatch.applies(codec, kv_cache))
+    return impl == "triton" or (impl == "auto" and triton_launch.applies(codec, kv_cache))
 
 
 def _use_cpu(impl: str, codec: Codec, kv_cache: torch.Tensor, layout: PagedKVLayout,
@@ -61,9 +61,9 @@ def _use_cpu(impl: str, codec: Codec, kv_cache: torch.Tensor, layout: PagedKVLay
     """The C codec (kernels/cpu/, same bytes) for CPU bf16/fp16 caches: "auto" when it applies
     and is built, "cpu" always (refused with CpuKernelError where it cannot serve)."""
     if impl == "cpu":
-        cpu_dispatch.require_applicable(codec, kv_cache, layout, buf)
+        cpu_binding.require_applicable(codec, kv_cache, layout, buf)
         return True
-    return impl == "auto" and cpu_dispatch.applies(codec, kv_cache, layout, buf)
+    return impl == "auto" and cpu_binding.applies(codec, kv_cache, layout, buf)
 
 
 def encode_into(
@@ -84,11 +84,11 @@ def encode_into(
     v_scale); their values are coded as bf16 (``kernels/fp8_cache.py``)."""
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
-        return triton_dispatch.encode_into(
+        return triton_launch.encode_into(
             codec, layer, kv_cache, layout, items, staging, kernel_config, kv_scales=scales
         )
     if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, staging):
-        return cpu_dispatch.encode_into(codec, layer, kv_cache, layout, items, staging)
+        return cpu_binding.encode_into(codec, layer, kv_cache, layout, items, staging)
     written = []
     for item in items:
         k, v = layout.gather(kv_cache, item.block_ids, item.token_start, item.num_tokens)
@@ -122,11 +122,11 @@ def decode_into(
     fp8 caches need the layer's ``kv_scales`` (see ``encode_into``)."""
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
-        triton_dispatch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
+        triton_launch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
                                     kv_scales=scales)
         return
     if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, source):
-        cpu_dispatch.decode_into(codec, layer, kv_cache, layout, items, source)
+        cpu_binding.decode_into(codec, layer, kv_cache, layout, items, source)
         return
     decoded = []
     for item in items:
@@ -171,7 +171,7 @@ def encode_layers_into(
 
     The implementation is picked here from the first job's cache, as ``encode_into`` picks it:
     Triton (CUDA caches, or ``impl="triton"``) encodes all jobs with one launch per distinct
-    layer policy (``triton_dispatch.encode_layers_into``); everywhere else (the C codec, the
+    layer policy (``triton_launch.encode_layers_into``); everywhere else (the C codec, the
     reference) this is a loop over ``encode_into``, one job at a time. The bytes are the same
     either way: those of one ``encode_into`` per job."""
     scales = _per_job_scales(len(jobs), kv_scales)
@@ -180,7 +180,7 @@ def encode_layers_into(
     if _use_triton(impl, codec, jobs[0][1]):
         resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
                     in zip(jobs, scales)]
-        return triton_dispatch.encode_layers_into(codec, jobs, staging, kernel_config,
+        return triton_launch.encode_layers_into(codec, jobs, staging, kernel_config,
                                                   kv_scales=resolved)
     return [
         encode_into(codec, layer, cache, layout, items, staging, impl=impl,
@@ -203,7 +203,7 @@ def decode_layers_into(
 
     The implementation is picked here from the first job's cache, as ``decode_into`` picks it:
     Triton decodes every job with one launch per distinct layer policy, each program verifying
-    the chunk it decodes (``triton_dispatch.decode_layers_into``): a refused chunk is not
+    the chunk it decodes (``triton_launch.decode_layers_into``): a refused chunk is not
     written, the valid chunks of every job are. Everywhere else this is a loop over
     ``decode_into``, one job at a time: each job is all-or-nothing, but a failing job leaves the
     jobs before it decoded. The exception raised for a bad chunk is the same on both paths, and
@@ -214,7 +214,7 @@ def decode_layers_into(
     if _use_triton(impl, codec, jobs[0][1]):
         resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
                     in zip(jobs, scales)]
-        triton_dispatch.decode_layers_into(codec, jobs, source, kernel_config,
+        triton_launch.decode_layers_into(codec, jobs, source, kernel_config,
                                            kv_scales=resolved)
         return
     for (layer, cache, layout, items), sc in zip(jobs, scales):

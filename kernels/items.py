@@ -2,7 +2,7 @@
 buffer range check every implementation applies to them.
 
 A leaf module: it imports only ``kernels/paged.py``, so the front door (``dispatch``) and the
-implementations (``triton_dispatch``, ``cpu_dispatch``) all import the items from here and none of
+implementations (``triton_launch``, ``cpu_binding``) all import the items from here and none of
 them imports another.
 """
 

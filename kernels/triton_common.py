@@ -1,4 +1,4 @@
-"""Host-side pieces shared by the Triton codec's two front ends: ``triton_dispatch`` (items of
+"""Host-side pieces shared by the Triton codec's two front ends: ``triton_launch`` (items of
 one call) and ``triton_plans`` (arrays of a connector step): launch configuration and the
 block-chunk launch shape, stream constants and codebook tables, cache geometry, size and scale
 helpers, and the reference re-check that turns a refused chunk into the reference's exception.

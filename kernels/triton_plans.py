@@ -2,7 +2,7 @@
 
 The connector moves block-granular chunks: each KV block of a request is one chunk in every
 layer (a 32k-token request is 2048 blocks x 32 layers = 65536 chunks). ``EncodePlan`` /
-``DecodePlan`` (``triton_dispatch``) take one Python item per (layer, chunk) and validate and
+``DecodePlan`` (``triton_launch``) take one Python item per (layer, chunk) and validate and
 tabulate them one by one, which costs ~1-2 us of host time per item, and their table uploads
 (pageable memory) synchronise the host with the stream. The plans here take the chunks once,
 layer-independent, as arrays (block lists, token ranges, tags), plus one ``[layers, chunks]``

@@ -45,11 +45,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             terminalreporter.write_line(
                 f"engines with {str(dtype).replace('torch.', '')} KV, block size {bs}: isa {isa}"
             )
-    from turbowire.kernels import cpu_dispatch
+    from turbowire.kernels import cpu_binding
 
     # TURBOWIRE_CPU_ISA pins it (make test-matrix runs the generic build)
-    runs = ", ".join(cpu_dispatch.supported_isas()) if cpu_dispatch.available() else "none"
-    terminalreporter.write_line(f"turbowire C codec build: {cpu_dispatch.isa()} "
+    runs = ", ".join(cpu_binding.supported_isas()) if cpu_binding.available() else "none"
+    terminalreporter.write_line(f"turbowire C codec build: {cpu_binding.isa()} "
                                 f"(this CPU runs: {runs})")
     cache_writes = sys.modules.get("support.vllm_cpu_attn")  # only if a test used it
     if cache_writes is not None:

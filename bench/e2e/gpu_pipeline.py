@@ -177,7 +177,7 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
     import torch
 
     from turbowire.codec import Codec
-    from turbowire.kernels import EncodeItem, PagedKVLayout, encode_into, triton_dispatch
+    from turbowire.kernels import EncodeItem, PagedKVLayout, encode_into, triton_launch
 
     nixl = import_nixl()
     device = _device("P", args)
@@ -233,7 +233,7 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
         _sync(device)
         enc_s = time.perf_counter() - t0
         conn.send({"encode_s": enc_s, "plan": plan, "wire_bytes": off,
-                   "kernel": ("triton" if triton_dispatch.applies(codec, caches[0])
+                   "kernel": ("triton" if triton_launch.applies(codec, caches[0])
                               else "reference")})
     del agent
 

@@ -3,7 +3,7 @@
  * The byte format and the encode numerics are codec/FORMAT.md; this code must produce the same
  * bytes as the PyTorch reference (turbowire.codec). Build flags matter: -ffp-contract=off and no
  * -ffast-math (no FMA contraction, no reassociation). The structs below are mirrored with ctypes
- * in kernels/cpu_dispatch.py: change both together and bump TW_ABI_VERSION.
+ * in kernels/cpu_binding.py: change both together and bump TW_ABI_VERSION.
  */
 #ifndef TWCPU_H
 #define TWCPU_H
@@ -19,7 +19,7 @@ enum { TW_BF16 = 1, TW_F16 = 2 };
 /* ISA variants */
 enum { TW_ISA_BASE = 0, TW_ISA_V2 = 2, TW_ISA_V3 = 3 };
 
-/* error codes (kernels/cpu_dispatch.py maps them to exception types) */
+/* error codes (kernels/cpu_binding.py maps them to exception types) */
 enum {
     TW_OK = 0,
     TW_E_ARG = 1,        /* bad argument from the caller (geometry, spec) */

@@ -94,10 +94,10 @@ def test_each_engine_runs_the_c_build_and_layout_it_was_given(matrix: Matrix) ->
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from turbowire.kernels import cpu_dispatch
+    from turbowire.kernels import cpu_binding
 
     want_isa = _get_attn_isa(getattr(torch, matrix.dtype), BLOCK_SIZE, 64)
-    best = cpu_dispatch.supported_isas()[-1]
+    best = cpu_binding.supported_isas()[-1]
     for proc, build in ((matrix.prefill, "base"), (matrix.decoders["base"], "base"),
                         (matrix.decoders["best"], best)):
         line = _layout_line(proc)

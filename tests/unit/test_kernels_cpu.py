@@ -36,7 +36,7 @@ from turbowire.kernels import (
     DecodeItem,
     EncodeItem,
     PagedKVLayout,
-    cpu_dispatch,
+    cpu_binding,
     decode_into,
     encode_into,
 )
@@ -79,14 +79,14 @@ def preset_of(name: str) -> str | Preset:
 
 @pytest.fixture(scope="module", autouse=True)
 def _library() -> Iterator[None]:
-    assert cpu_dispatch.available(), (
+    assert cpu_binding.available(), (
         "the C codec is not built: run `pip install --no-build-isolation -e .`"
     )
     yield
-    cpu_dispatch.set_isa(ISAS[-1])
+    cpu_binding.set_isa(ISAS[-1])
 
 
-ISAS = cpu_dispatch.supported_isas() if cpu_dispatch.available() else ["base"]
+ISAS = cpu_binding.supported_isas() if cpu_binding.available() else ["base"]
 
 
 def make_cache(
@@ -129,7 +129,7 @@ def encode_both(
     sizes = encode_into(codec, layer, cache, layout, items, ref, impl="reference")
     got = {}
     for isa in ISAS:
-        assert cpu_dispatch.set_isa(isa) == isa
+        assert cpu_binding.set_isa(isa) == isa
         buf = torch.full((size,), 0xA5, dtype=torch.uint8)
         assert encode_into(codec, layer, cache, layout, shifted(items), buf, impl="cpu") == sizes
         got[isa] = buf
@@ -165,7 +165,7 @@ def decode_both(
     decode_into(codec, layer, ref, layout, items, source, impl="reference")
     c_items = [dataclasses.replace(i, in_offset=i.in_offset + SHIFT) for i in items]
     for isa in ISAS:
-        cpu_dispatch.set_isa(isa)
+        cpu_binding.set_isa(isa)
         dst = torch.full_like(dst_like, GUARD)
         decode_into(codec, layer, dst, layout, c_items, c_source, impl="cpu")
         same = (dst.view(torch.int16) == ref.view(torch.int16)) | (dst.isnan() & ref.isnan())
@@ -202,7 +202,7 @@ def test_bytes_and_decode_equal_the_reference(name: str, dim: int) -> None:
             codec.encoded_nbytes(layer, i.num_tokens, heads, i.token_start) for i in items
         ]
         assert sizes == [
-            cpu_dispatch.chunk_nbytes(codec, layer, i.num_tokens, heads, i.token_start)
+            cpu_binding.chunk_nbytes(codec, layer, i.num_tokens, heads, i.token_start)
             for i in items
         ]
         dst_ids = [nb - 1 - i for i in ids]
@@ -221,7 +221,7 @@ def test_gpu_shaped_cpu_caches_go_through_strides(kind: str) -> None:
     codec = Codec("k4v3", 128, LAYERS)
     cache = make_cache(10, 3, 16, 128, torch.bfloat16, seed=5, kind=kind)
     layout = PagedKVLayout.from_cache(cache)
-    assert cpu_dispatch.applies(codec, cache, layout, torch.zeros(8, dtype=torch.uint8))
+    assert cpu_binding.applies(codec, cache, layout, torch.zeros(8, dtype=torch.uint8))
     items = [EncodeItem([7, 2, 5, 0], 0, 50, 0), EncodeItem([7, 2, 5, 0], 50, 13, 40000)]
     ref, sizes, got = encode_both(codec, 1, cache, layout, items)
     for buf in got.values():
@@ -255,7 +255,7 @@ def test_cpu_attention_layouts_are_served_in_place(name: str, dim: int, isa: str
         assert k_view.stride(-1) == bs  # really transposed
     else:
         assert layout.path == "tiled"
-    assert cpu_dispatch.applies(codec, cache, layout, torch.zeros(8, dtype=torch.uint8))
+    assert cpu_binding.applies(codec, cache, layout, torch.zeros(8, dtype=torch.uint8))
     ids = [6, 1, 4, 8]
     second = codec.encoded_nbytes(0, 45, heads, 0) + 40
     items = [EncodeItem(ids, 0, 45, 0, tag=3), EncodeItem(ids, 45, 60, second, tag=3)]
@@ -354,11 +354,11 @@ def test_conversions_match_torch_on_random_bit_patterns() -> None:
         ("e4m3", torch.float8_e4m3fn, torch.uint8),
     ]
     for isa in ISAS:
-        cpu_dispatch.set_isa(isa)
+        cpu_binding.set_isa(isa)
         for kind, dtype, view in targets:
             want = x.to(dtype).view(view)
             for scalar in (False, True):
-                bad = int((cpu_dispatch.convert_f32(x, kind, scalar) != want).sum())
+                bad = int((cpu_binding.convert_f32(x, kind, scalar) != want).sum())
                 assert bad == 0, f"{kind} ({isa}, scalar={scalar}): {bad} values differ from torch"
 
 
@@ -367,7 +367,7 @@ def test_checksum_matches_the_reference() -> None:
         0, 256, (4096 + 48,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
     )
     for n in (0, 4, 44, 4096 + 48):
-        assert cpu_dispatch.wsum32(data[:n]) == wsum32(data[:n])
+        assert cpu_binding.wsum32(data[:n]) == wsum32(data[:n])
 
 
 # ---- guards and refusals ----------------------------------------------------------------------
@@ -518,9 +518,9 @@ def test_encode_refusals_write_nothing() -> None:
 def test_auto_dispatch_uses_the_c_codec_for_cpu_caches(monkeypatch, setup_tq4) -> None:
     codec, cache, layout, staging, sizes = setup_tq4
     calls = []
-    real_enc, real_dec = cpu_dispatch.encode_into, cpu_dispatch.decode_into
-    monkeypatch.setattr(cpu_dispatch, "encode_into", lambda *a: calls.append("enc") or real_enc(*a))
-    monkeypatch.setattr(cpu_dispatch, "decode_into", lambda *a: calls.append("dec") or real_dec(*a))
+    real_enc, real_dec = cpu_binding.encode_into, cpu_binding.decode_into
+    monkeypatch.setattr(cpu_binding, "encode_into", lambda *a: calls.append("enc") or real_enc(*a))
+    monkeypatch.setattr(cpu_binding, "decode_into", lambda *a: calls.append("dec") or real_dec(*a))
     buf = torch.zeros(1 << 16, dtype=torch.uint8)
     n = encode_into(codec, 1, cache, layout, [EncodeItem([0, 1], 0, 20, 0, tag=4)], buf)
     decode_into(
@@ -528,16 +528,16 @@ def test_auto_dispatch_uses_the_c_codec_for_cpu_caches(monkeypatch, setup_tq4) -
     )
     assert calls == ["enc", "dec"] and torch.equal(buf[: n[0]], staging[: n[0]])
     # the reference stays reachable, and a non-CPU-layout request is not taken by the C path
-    assert not cpu_dispatch.applies(codec, cache, layout, buf.reshape(256, 256))
+    assert not cpu_binding.applies(codec, cache, layout, buf.reshape(256, 256))
 
 
 def test_missing_library_falls_back_with_one_warning(monkeypatch, caplog, setup_tq4) -> None:
     codec, cache, layout, staging, sizes = setup_tq4
     monkeypatch.delenv("TURBOWIRE_CPU_LIB", raising=False)
-    monkeypatch.setattr(cpu_dispatch, "MODULE", "turbowire.kernels._not_built")
-    cpu_dispatch._library.cache_clear()
+    monkeypatch.setattr(cpu_binding, "MODULE", "turbowire.kernels._not_built")
+    cpu_binding._library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="turbowire.kernels.cpu_dispatch"):
+        with caplog.at_level(logging.WARNING, logger="turbowire.kernels.cpu_binding"):
             buf = torch.zeros(1 << 16, dtype=torch.uint8)
             for _ in range(3):
                 n = encode_into(codec, 1, cache, layout, [EncodeItem([0, 1], 0, 20, 0, tag=4)], buf)
@@ -546,5 +546,5 @@ def test_missing_library_falls_back_with_one_warning(monkeypatch, caplog, setup_
         assert len(warnings) == 1
     finally:
         monkeypatch.undo()
-        cpu_dispatch._library.cache_clear()
-    assert cpu_dispatch.available()
+        cpu_binding._library.cache_clear()
+    assert cpu_binding.available()

@@ -17,12 +17,12 @@ from turbowire.kernels import (
     DecodeItem,
     EncodeItem,
     PagedKVLayout,
-    cpu_dispatch,
+    cpu_binding,
     decode_into,
     encode_into,
 )
 from turbowire.kernels.cpu_attn_layout import CpuCacheLayoutError, probe_layout
-from turbowire.kernels.cpu_dispatch import CpuKernelError
+from turbowire.kernels.cpu_binding import CpuKernelError
 
 H = 3
 STALE = 7.0  # what the destination holds before a decode: slots not decoded must keep it
@@ -183,7 +183,7 @@ def test_an_unknown_non_separable_placement_is_served_generically():
                     torch.tensor([[2, 4][t // bs] * bs + t % bs for t in range(n)]))
     codec = Codec("raw", d, 1)
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
-    assert not cpu_dispatch.applies(codec, cache, layout, buf)  # no C form: the reference serves
+    assert not cpu_binding.applies(codec, cache, layout, buf)  # no C form: the reference serves
     with pytest.raises(CpuKernelError, match="non-separable"):
         encode_into(codec, 0, cache, layout, [EncodeItem([2, 4], 0, n, 0)], buf, impl="cpu")
     size = encode_into(codec, 0, cache, layout, [EncodeItem([2, 4], 0, n, 0)], buf)[0]

@@ -96,11 +96,11 @@ def test_the_graph_is_parsed() -> None:
     """Guards the checks below against passing on an empty graph."""
     graph = _kernel_graph()
     assert f"{KERNELS}.dispatch" in graph[KERNELS]
-    assert {f"{KERNELS}.items", f"{KERNELS}.triton_dispatch", f"{KERNELS}.cpu_dispatch"} <= graph[
+    assert {f"{KERNELS}.items", f"{KERNELS}.triton_launch", f"{KERNELS}.cpu_binding"} <= graph[
         f"{KERNELS}.dispatch"
     ]
-    assert f"{KERNELS}.items" in graph[f"{KERNELS}.cpu_dispatch"]
-    assert f"{KERNELS}.items" in graph[f"{KERNELS}.triton_dispatch"]
+    assert f"{KERNELS}.items" in graph[f"{KERNELS}.cpu_binding"]
+    assert f"{KERNELS}.items" in graph[f"{KERNELS}.triton_launch"]
 
 
 def test_cycle_finder() -> None:

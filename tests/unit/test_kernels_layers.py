@@ -15,7 +15,7 @@ from turbowire.kernels import (
     EncodeItem,
     KVScales,
     PagedKVLayout,
-    cpu_dispatch,
+    cpu_binding,
     decode_into,
     decode_layers_into,
     dispatch,
@@ -29,7 +29,7 @@ GUARD = 7.0
 PRESET = Preset("t-layers", 104, "boundary layers raw", LayerPolicy(StreamSpec("fp8", bits=8),
                 StreamSpec("lloyd", bits=3)), boundary=LayerPolicy(StreamSpec("raw"),
                 StreamSpec("raw")), boundary_layers=1)
-IMPLS = ["auto", "reference"] + (["cpu"] if cpu_dispatch.available() else [])
+IMPLS = ["auto", "reference"] + (["cpu"] if cpu_binding.available() else [])
 
 
 def _caches(dtype: torch.dtype = torch.bfloat16, fill: float | None = None) -> list[torch.Tensor]:
@@ -127,10 +127,10 @@ def test_triton_gets_all_layers_in_one_call(monkeypatch: pytest.MonkeyPatch) -> 
     """impl="triton" (and "auto" on CUDA caches) hands the whole job list to the batched
     implementation, with the fp8 scales resolved per job; no per-layer loop."""
     calls = []
-    monkeypatch.setattr(dispatch.triton_dispatch, "encode_layers_into",
+    monkeypatch.setattr(dispatch.triton_launch, "encode_layers_into",
                         lambda codec, jobs, buf, cfg, kv_scales: calls.append(
                             ("enc", len(jobs), kv_scales)) or [[1]] * len(jobs))
-    monkeypatch.setattr(dispatch.triton_dispatch, "decode_layers_into",
+    monkeypatch.setattr(dispatch.triton_launch, "decode_layers_into",
                         lambda codec, jobs, buf, cfg, kv_scales: calls.append(
                             ("dec", len(jobs), kv_scales)))
     codec = Codec("tq4", 64, LAYERS)
