@@ -35,6 +35,16 @@ COLUMNS = ["tokens", "preset", "fwd_ms", "save_%", "batch_%", "aa_%", "load_ms",
            "load/dec", "exact"]
 
 
+def fit(value: float, width: int, decimals: int, sign: str = "") -> str:
+    """``value`` in at most ``width`` characters: fewer decimals first, then powers of ten (the
+    CPU smoke run's timings can be any size; the table stays within 80 columns)."""
+    for d in range(decimals, -1, -1):
+        text = f"{value:{sign}.{d}f}"
+        if len(text) <= width:
+            return text
+    return f"{value:{sign}.0e}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per case: forward ms, what the per-layer and one-launch saves add (% of the
     forward), the A/A noise, a held load's landed -> finished and the one-launch decode (ms),
@@ -42,10 +52,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [6, 6, 8, 7, 7, 6, 8, 7, 8, 5]
     lines = [" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, widths, strict=True))]
     for r in rows:
-        cells = [str(r["tokens"]), r["preset"], f"{r['forward_ms']:.2f}",
-                 f"{r['layer_pct']:+.2f}", f"{r['batched_pct']:+.2f}", f"{r['aa_pct']:+.2f}",
-                 f"{r['load_ms']:.3f}", f"{r['decode_one_launch_ms']:.3f}",
-                 f"{r['load_vs_one_launch']:.2f}x", "yes" if case_ok(r) else "NO"]
+        cells = [str(r["tokens"]), r["preset"], fit(r["forward_ms"], 8, 2),
+                 fit(r["layer_pct"], 7, 2, "+"), fit(r["batched_pct"], 7, 2, "+"),
+                 fit(r["aa_pct"], 6, 2, "+"), fit(r["load_ms"], 8, 3),
+                 fit(r["decode_one_launch_ms"], 7, 3), fit(r["load_vs_one_launch"], 7, 2) + "x",
+                 "yes" if case_ok(r) else "NO"]
         lines.append(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     return "\n".join(lines)
 

@@ -120,8 +120,7 @@ class FakeClient:
             agent_name="prefill-agent", agent_metadata=b"", base_addr=p.staging.data_ptr(),
             slot_bytes=p.layout.slot_bytes, num_slots=p.layout.num_slots,
             layer_offsets=tuple(p.layout.layer_offsets), device_id=0, mem_type=p.mem_type)
-        return SimpleNamespace(engine_id="prefill", record=p.record, staging=staging,
-                               lease_seconds=30.0)
+        return SimpleNamespace(engine_id="prefill", record=p.record, staging=staging)
 
     def heartbeat(self, ids: list[str], engine_id: str = "", **kw: Any) -> SimpleNamespace:
         return SimpleNamespace(done=list(ids), unknown=[], refused=[])
