@@ -137,8 +137,9 @@ def time_side(out: Path) -> None:
 def table(base: list[dict[str, Any]], cur: list[dict[str, Any]], ref: str) -> str:
     """Markdown, at most 80 columns."""
     old = {(r["preset"], r["chunk"]): r for r in base}
-    lines = [f"| preset | chunk | enc {ref} | enc now | ratio | dec {ref} | dec now | ratio "
-             "| same |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"ms; then = {ref}, x = now / then, same = bit-identical bytes and cache", "",
+             "| preset | chunk | enc then | enc now | x | dec then | dec now | x | same |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in cur:
         b = old.get((r["preset"], r["chunk"]))
         if b is None:
