@@ -231,11 +231,11 @@ def run_store_act(a_url: str, b_url: str, proxy_url: str, directory_url: str,
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    from turbowire.store.keys import DEFAULT_CHUNK_TOKENS
+    from turbowire.connector.config_keys import DEFAULT_STORE_CHUNK_TOKENS
 
     return StoreAct(
         prompt_tokens=int(tokens), cold_ttft_ms=cold * 1e3, hit_ttft_ms=hit * 1e3,
-        loaded_tokens=int(delta("turbowire_store_lookups_total")) * DEFAULT_CHUNK_TOKENS,
+        loaded_tokens=int(delta("turbowire_store_lookups_total")) * DEFAULT_STORE_CHUNK_TOKENS,
         loaded_dense_bytes=delta("turbowire_kv_dense_bytes_total"),
         loaded_store_bytes=delta("turbowire_store_lookup_bytes_total"),
         redis_chunks=chunks, redis_bytes=nbytes,

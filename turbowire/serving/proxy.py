@@ -68,6 +68,7 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from turbowire.connector.config_keys import DEFAULT_STORE_TTL_SECONDS
 from turbowire.errors import TurboWireError
 from turbowire.store.keys import DEFAULT_NAMESPACE, ChainInputs, StoreScope, chunk_hashes
 
@@ -141,8 +142,8 @@ ROUTES = (
 SCOPE_REFRESH_SECONDS = 10.0
 EMPTY_REGISTRY_REFRESH_SECONDS = 1.0
 TOKENIZE_TIMEOUT_SECONDS = 5.0
-#: connector.config.DEFAULT_STORE_TTL_SECONDS (not imported: the proxy does not load the connector)
-DIRECTORY_TTL_SECONDS = 3600.0
+#: the store's TTL default, from the connector's key table (a light module: no vLLM)
+DIRECTORY_TTL_SECONDS = DEFAULT_STORE_TTL_SECONDS
 _WARN_EVERY_SECONDS = 30.0
 
 

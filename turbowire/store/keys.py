@@ -40,7 +40,6 @@ CHAIN_VERSION = 2
 _CHAIN_TAG = f"turbowire/store/chunk-chain/v{CHAIN_VERSION}".encode()
 #: The root of a request without salt, adapter or multimodal items.
 ROOT_HASH = hashlib.sha256(_CHAIN_TAG).digest()[:CHUNK_HASH_BYTES]
-DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_NAMESPACE = "turbowire"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
