@@ -1214,21 +1214,33 @@ def _verify_chunk(src_ptr, ip, in_off, H, preset_id, num_layers, D: tl.constexpr
     checksum, format fields, the geometry, layer, token range and tag the item expects, the body
     length the codec gives, the bytes handed over, and the body's wsum32 (over the body the
     header announces, within those bytes), summed BLOCKW words at a time."""
-    nbytes = tl.load(ip + D_NBYTES)
-    exp_body = tl.load(ip + D_BODY)
     p32 = (src_ptr + in_off).to(tl.pointer_type(tl.int32))
-    hw = tl.arange(0, 16)
-    hdr = tl.load(p32 + hw, mask=hw < 12, other=0)
-    hbody = tl.sum(tl.where(hw == 7, hdr, 0), axis=0).to(tl.int64) & 0xFFFFFFFF
-    # checksum the body the header announces, within the bytes the caller handed over
-    avail = tl.minimum(hbody, nbytes - 48)
-    nw = avail // 4
+    nw = _checked_words(p32, ip)
     acc = tl.zeros([BLOCKW], tl.int32)  # per-lane wsum32 terms, mod 2**32
     for wb in range(0, nw, BLOCKW):
         wi = wb + tl.arange(0, BLOCKW)
         w = tl.load(p32 + 12 + wi, mask=wi < nw, other=0)
         acc += w * (wi.to(tl.int32) * 2 + 1)
     total = tl.sum(acc, axis=0).to(tl.int32)
+    return _header_status(p32, ip, total, H, preset_id, num_layers, D)
+
+
+@triton.jit
+def _checked_words(p32, ip):
+    """Words of body the checksum covers: the body the header announces, within the bytes the
+    caller handed over."""
+    hbody = tl.load(p32 + 7).to(tl.int64) & 0xFFFFFFFF
+    return tl.minimum(hbody, tl.load(ip + D_NBYTES) - 48) // 4
+
+
+@triton.jit
+def _header_status(p32, ip, total, H, preset_id, num_layers, D: tl.constexpr):
+    """The header's checks given the body's wsum32 ``total`` (see ``_verify_chunk``)."""
+    nbytes = tl.load(ip + D_NBYTES)
+    exp_body = tl.load(ip + D_BODY)
+    hw = tl.arange(0, 16)
+    hdr = tl.load(p32 + hw, mask=hw < 12, other=0)
+    hbody = tl.sum(tl.where(hw == 7, hdr, 0), axis=0).to(tl.int64) & 0xFFFFFFFF
     w0 = tl.sum(tl.where(hw == 0, hdr, 0), axis=0)
     w1 = tl.sum(tl.where(hw == 1, hdr, 0), axis=0)
     w2 = tl.sum(tl.where(hw == 2, hdr, 0), axis=0)
@@ -1568,17 +1580,35 @@ def decode_kernel(
 # verify, then decode per (chunk, stream, head): the variant for long chunks
 # ------------------------------------------------------------------------------------------
 @triton.jit
-def verify_kernel(src_ptr, items_ptr, status_ptr, fail_ptr, H, preset_id, num_layers,
+def verify_kernel(src_ptr, items_ptr, acc_ptr, status_ptr, fail_ptr, H, preset_id, num_layers,
                   D: tl.constexpr, BLOCKW: tl.constexpr):
-    """Grid: items. The checks of ``decode_kernel``'s first phase alone: each program records
-    its chunk's status (a refusal also counts in ``*fail_ptr``); ``decode_heads_kernel``,
-    launched after it on the same stream, decodes only the chunks whose status is 0."""
+    """Grid: items x splits. ``decode_kernel``'s first phase alone, a chunk's body checksum
+    spread over the programs of its row (BLOCKW words each, as many as the expected body
+    needs) so a few long chunks still fill the GPU. Each adds its part of the wsum32 to the
+    chunk's pair in ``acc_ptr`` (zero before, zero again after); the last to arrive checks the
+    header and records the chunk's status (a refusal also counts in ``*fail_ptr``).
+    ``decode_heads_kernel``, launched after it on the same stream, decodes only the chunks
+    whose status is 0."""
     ip = items_ptr + tl.program_id(0) * D_FIELDS
-    in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
-    stv = _verify_chunk(src_ptr, ip, in_off, H, preset_id, num_layers, D, BLOCKW)
-    tl.store(status_ptr + tl.load(ip + D_STATUS), stv)
-    if stv != 0:
-        tl.atomic_add(fail_ptr, 1, sem="relaxed")
+    split = tl.program_id(1)
+    nsplit = tl.maximum((tl.load(ip + D_BODY) // 4 + BLOCKW - 1) // BLOCKW, 1).to(tl.int32)
+    if split < nsplit:
+        in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
+        p32 = (src_ptr + in_off).to(tl.pointer_type(tl.int32))
+        nw = _checked_words(p32, ip)
+        wi = split.to(tl.int64) * BLOCKW + tl.arange(0, BLOCKW)
+        w = tl.load(p32 + 12 + wi, mask=wi < nw, other=0)
+        part = tl.sum(w * (wi.to(tl.int32) * 2 + 1), axis=0).to(tl.int32)
+        slot = tl.load(ip + D_STATUS)
+        tl.atomic_add(acc_ptr + 2 * slot, part, sem="relaxed")
+        done = tl.atomic_add(acc_ptr + 2 * slot + 1, 1, sem="acq_rel")
+        if done == nsplit - 1:
+            total = tl.atomic_xchg(acc_ptr + 2 * slot, 0, sem="acq_rel")
+            tl.atomic_xchg(acc_ptr + 2 * slot + 1, 0, sem="relaxed")
+            stv = _header_status(p32, ip, total, H, preset_id, num_layers, D)
+            tl.store(status_ptr + slot, stv)
+            if stv != 0:
+                tl.atomic_add(fail_ptr, 1, sem="relaxed")
 
 
 @triton.jit

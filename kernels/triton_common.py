@@ -21,6 +21,7 @@ from turbowire.codec.codebooks import GAUSSIAN_LLOYD_MAX, boundaries, centroids
 from turbowire.codec.errors import ChecksumError
 from turbowire.codec.packing import plane_widths
 from turbowire.codec.rotation import sign_tables
+from turbowire.codec.streams import stream_layout
 from turbowire.errors import TurboWireError
 from turbowire.kernels.fp8_cache import KVScales, is_fp8_cache
 from turbowire.kernels.items import DecodeItem, check_range
@@ -569,13 +570,14 @@ def cuda_serves(codec: Any, caches: Sequence[torch.Tensor]) -> bool:
 def _decode_calls(
     cfg: KernelConfig, kspec: StreamSpec, vspec: StreamSpec, dim: int, n: int, max_tokens: int,
     cache: torch.Tensor, source: torch.Tensor, table: torch.Tensor, blocks: torch.Tensor,
-    tab: torch.Tensor, status: torch.Tensor, fail: torch.Tensor, strides: tuple[int, ...],
-    block_size: int, heads: int, preset_id: int, num_layers: int,
+    tab: torch.Tensor, status: torch.Tensor, acc: torch.Tensor, fail: torch.Tensor,
+    strides: tuple[int, ...], block_size: int, heads: int, preset_id: int, num_layers: int,
 ) -> list[tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]]:
     """The launches (kernel, grid, args, kwargs) that verify and decode the ``n`` chunks of one
     layer policy's table: the fused kernel, or for long chunks (``cfg.decodes_by_head``) the
     verify pass then the per-head decode. Either way a refused chunk writes nothing, the
-    others are decoded, ``fail`` counts the refusals and ``status`` holds each chunk's bits."""
+    others are decoded, ``fail`` counts the refusals and ``status`` holds each chunk's bits;
+    ``acc`` (two zeroed int32 per status slot, left zeroed) gathers the verify pass's sums."""
     from turbowire.kernels import triton_codec as tk
 
     tf = _transforms(kspec, vspec)
@@ -587,8 +589,12 @@ def _decode_calls(
     bs = _block_size_arg(block_size)
     if cfg.decodes_by_head(max_tokens):
         words = cfg.verify_words or 16 * 32 * cfg.verify_warps
+        body = sum(stream_layout(spec, max_tokens, heads, dim, True).nbytes
+                   for spec in (kspec, vspec))
+        splits = max(-(-body // 4 // words), 1)
         return [
-            (tk.verify_kernel, (n,), (source, table, status, fail, heads, preset_id, num_layers),
+            (tk.verify_kernel, (n, splits),
+             (source, table, acc, status, fail, heads, preset_id, num_layers),
              dict(D=dim, BLOCKW=words, num_warps=cfg.verify_warps)),
             (tk.decode_heads_kernel, (n * 2 * heads,),
              (cache, source, table, blocks, tab, status, *strides, bs, heads), shape),

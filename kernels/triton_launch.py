@@ -222,6 +222,7 @@ class DecodePlan:
         device = base.device
         tab = _tables(dim, device)
         self.status = torch.zeros(len(self._refs), dtype=torch.int32, device=device)
+        self._acc = torch.zeros(2 * len(self._refs), dtype=torch.int32, device=device)
         self.fails = torch.zeros(1, dtype=torch.int32, device=device)
         for (kspec, vspec), launch in launches.items():
             n = len(launch.rows)
@@ -231,8 +232,8 @@ class DecodePlan:
             blocks = torch.tensor(launch.blocks.ids or [0], dtype=torch.int32).to(device)
             self._calls += _decode_calls(
                 cfg, kspec, vspec, dim, n, max(r[3] for r in launch.rows), _kernel_cache(base),
-                source, table, blocks, tab, self.status, self.fails, strides, lay0.block_size,
-                lay0.num_heads, codec.preset.preset_id, codec.num_layers)
+                source, table, blocks, tab, self.status, self._acc, self.fails, strides,
+                lay0.block_size, lay0.num_heads, codec.preset.preset_id, codec.num_layers)
 
     def launch(self) -> None:
         if self.fails is None:

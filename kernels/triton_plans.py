@@ -534,6 +534,7 @@ class DecodeLayersPlan:
         self.blocks = _to_device(chunks.block_ids.astype(np.int32) if chunks.block_ids.size
                                  else np.zeros(1, np.int32), torch.int32, device)
         self.status = torch.zeros(n_l * n, dtype=torch.int32, device=device)
+        self._acc = torch.zeros(2 * n_l * n, dtype=torch.int32, device=device)
         # one flag per layer range start, 16 bytes apart (aligned kernel arguments)
         self.fails = torch.zeros(4 * n_l, dtype=torch.int32, device=device)
         self._tab = _tables(dim, device)
@@ -575,7 +576,8 @@ class DecodeLayersPlan:
             kspec, vspec = pol.key
             calls += _decode_calls(
                 cfg, kspec, vspec, dim, (b - a) * n, self._max_tokens, _kernel_cache(self._base),
-                self.source, pol.table[a * n:b * n], self.blocks, self._tab, self.status, fail,
+                self.source, pol.table[a * n:b * n], self.blocks, self._tab, self.status, self._acc,
+                fail,
                 self._strides, lay.block_size, lay.num_heads, self.codec.preset.preset_id,
                 self.codec.num_layers)
         self._ranges[(lo, hi)] = calls

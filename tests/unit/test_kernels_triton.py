@@ -210,7 +210,7 @@ BY_HEAD_CASES = ["raw-d64-LBNHC-bs16", "k8v4-d128-LBHNC-bs32-fp16", "tq4-d64-cpu
 @pytest.mark.parametrize("name", BY_HEAD_CASES)
 def test_decode_by_head_matches_the_reference(name: str) -> None:
     case = CASES[name]
-    cfg = replace(case.config, decode_heads_from=1, verify_warps=1)
+    cfg = replace(case.config, decode_heads_from=1, verify_warps=1, verify_words=16)
     assert cfg.decodes_by_head(1) and not case.config.decodes_by_head(max(
         t for _, t in case.chunks))
     _check_against_reference(replace(case, config=cfg))
@@ -318,8 +318,12 @@ def _raw_setup(chunks=((0, 20), (20, 12))):
     return codec, layout, staging, dec, dst
 
 
-@pytest.mark.parametrize("config", [SMALL, replace(SMALL, decode_heads_from=1, verify_warps=1)],
-                         ids=["fused", "by-head"])
+# the verify pass then the per-head decode, on short chunks: checksums of 16 words, so a
+# chunk's body is summed by several programs
+BY_HEAD = replace(SMALL, decode_heads_from=1, verify_warps=1, verify_words=16)
+
+
+@pytest.mark.parametrize("config", [SMALL, BY_HEAD], ids=["fused", "by-head"])
 def test_a_corrupt_or_unexpected_chunk_is_never_written(config: KernelConfig) -> None:
     """Each chunk is verified before it is decoded (in the decoding program, or by the verify
     pass before the per-head decode): a refused chunk writes nothing (its slots keep the
