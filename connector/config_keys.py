@@ -1,14 +1,14 @@
 """``CONFIG_KEYS``: the one declaration of every ``kv_connector_extra_config`` key (type, bounds,
 default, doc), and the bounds and defaults other modules import (params.py, the side channel,
-the soak, the Helm chart) so none is written twice."""
+the soak, the Helm chart) so none is written twice. The store path's keys are declared in
+``config_store`` (and re-exported here), what a row holds in ``config_key``."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
+from turbowire.connector.config_key import PRESET_LIST, ConfigKey, Derive
 from turbowire.connector.config_kinds import (
     Choice,
     ConnectorConfigError,
@@ -20,9 +20,18 @@ from turbowire.connector.config_kinds import (
     Seconds,
     Size,
     Text,
-    ValueKind,
     is_ip_address,
     is_thread_cpus,
+)
+from turbowire.connector.config_store import (
+    DEFAULT_STORE_CHUNK_TOKENS,
+    DEFAULT_STORE_LOCAL_CPU_BYTES,
+    DEFAULT_STORE_TTL_SECONDS,
+    REDIS_URL,
+    STORE_KEYS,
+    STORE_NAME_RE,
+    STORE_URL_SCHEMES,
+    TRANSPORTS,
 )
 from turbowire.connector.config_tls import pem_file
 from turbowire.secret_file import read_secret_file
@@ -58,75 +67,19 @@ DEFAULT_LEASE_SECONDS = 30.0
 #: A lease token (``secrets`` hex) as the params and the side channel accept it.
 MAX_LEASE_TOKEN_CHARS = 128
 #: A lease's first claim or heartbeat: the decode engine's first heartbeat goes out well within
-#: the minimum (receiver.FIRST_HEARTBEAT_S)
+#: the minimum (receiver_heartbeats.FIRST_HEARTBEAT_S)
 MIN_CLAIM_TIMEOUT_SECONDS = 2.0
 DEFAULT_CLAIM_TIMEOUT_SECONDS = 10.0
 DEFAULT_LEASE_MAX_SECONDS = 120.0
 DEFAULT_MAX_PEERS = 64
 MAX_MAX_PEERS = 4096
 MIN_AUTH_TOKEN_CHARS = 8
-TRANSPORTS = ("nixl", "store", "both")
 SAVE_SCHEDULES = ("layerwise", "after_forward")
-STORE_URL_SCHEMES = ("redis://", "rediss://")
-DEFAULT_STORE_LOCAL_CPU_BYTES = 1 << 30
-DEFAULT_STORE_TTL_SECONDS = 3600.0
-DEFAULT_STORE_CHUNK_TOKENS = 256
-#: Stands for the codec's preset names in a key's doc (``ConfigKey.rendered_doc``).
-PRESET_LIST = "{presets}"
-STORE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
-
-
-
-Derive = Callable[[Mapping[str, Any], Mapping[str, str]], Any]
-
-
-@dataclass(frozen=True)
-class ConfigKey:
-    """One ``kv_connector_extra_config`` key: everything the code and the docs say about it.
-
-    ``derive`` computes the default from the other keys' values and the environment when the key
-    is absent (``default_doc`` then says so in the docs); ``stored`` is False for keys that only
-    steer the parsing and are not kept in ``TurboWireConfig``.
-    """
-
-    name: str
-    kind: ValueKind
-    doc: str
-    default: Any = None
-    factory: Callable[[], Any] | None = None
-    default_doc: str = ""
-    derive: Derive | None = None
-    stored: bool = True
-
-    def default_value(self) -> Any:
-        """The default when nothing else decides it (a fresh object for mutable defaults)."""
-        return self.factory() if self.factory is not None else self.default
-
-    def rendered_doc(self) -> str:
-        """The table's "meaning" cell: ``doc`` with the codec's preset names filled in (imported
-        here only: the codec loads torch, the config must not)."""
-        if PRESET_LIST not in self.doc:
-            return self.doc
-        from turbowire.codec.presets import list_presets
-
-        return self.doc.replace(PRESET_LIST, ", ".join(f"`{p}`" for p in list_presets()))
-
-    def default_cell(self) -> str:
-        """The README default column."""
-        return self.default_doc or f"`{self.kind.show(self.default_value())}`"
 
 
 def default_advertise_host() -> str:
     """The address peers should use when none is configured: loopback (one-machine setups)."""
     return "127.0.0.1"
-
-
-REDIS_URL = Text(
-    "a redis:// or rediss:// URL",
-    ((lambda s: s.startswith(STORE_URL_SCHEMES) and len(s) > len("redis://"),
-      "{key}={value!r} is not supported: use redis://HOST:PORT (or rediss://)"),),
-    nullable=True,
-)
 
 
 def read_auth_token_file(path: str) -> str | None:
@@ -405,72 +358,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         "core). A list: those cores. No effect where the platform has no thread affinity.",
         default="auto",
     ),
-    ConfigKey(
-        "transport",
-        Choice(TRANSPORTS),
-        "`nixl`: P/D hand-off peer to peer over NIXL. `store`: every engine saves the compressed "
-        "full chunks of the prompts it computes into the store (LMCache tiers, Redis) and loads "
-        "any stored prefix of a new prompt instead of computing it. `both`: the NIXL hand-off, "
-        "and every computed chunk also stored. A request opts out of saving with "
-        '`kv_transfer_params: {"turbowire_store": false}`.',
-        default="nixl",
-    ),
-    ConfigKey(
-        "store_url",
-        REDIS_URL,
-        "Where the store's bytes live, shared by engines: `redis://HOST:PORT[/DB]` (or "
-        "`rediss://`), reached through LMCache's remote backend with turbowire's Redis plugin. "
-        "Unset: only this engine's local tiers. With only `store_url` set, the directory lives "
-        "in the same Redis.",
-    ),
-    ConfigKey(
-        "directory_url",
-        REDIS_URL,
-        "The chunk directory and engine registry (Redis): which chunks are stored, which engines "
-        "serve them. The scheduler answers lookups from it without reading the bytes.",
-        default_doc="= `store_url`",
-        derive=lambda values, env: values["store_url"],
-    ),
-    ConfigKey(
-        "store_local_cpu_bytes",
-        Size(0),
-        "LMCache local CPU tier of this engine (compressed chunks in host memory); `0` = off.",
-        default=DEFAULT_STORE_LOCAL_CPU_BYTES,
-    ),
-    ConfigKey(
-        "store_local_disk",
-        Text("a directory path", ((bool, "{key} must be a directory path"),), nullable=True),
-        "LMCache local disk tier (a directory, one per engine); unset = off. LMCache keeps its "
-        "disk index in memory only; turbowire rebuilds it from the files at start, so chunks "
-        "survive an engine restart.",
-    ),
-    ConfigKey(
-        "store_ttl_seconds",
-        Seconds(1.0),
-        "Lifetime of a stored chunk and its directory entry in Redis, refreshed when an engine "
-        "loads the chunk (lookups, the proxy's included, never refresh it).",
-        default=DEFAULT_STORE_TTL_SECONDS,
-    ),
-    ConfigKey(
-        "store_namespace",
-        Text(
-            "1-64 of letters, digits and `_.:-`",
-            ((lambda s: bool(STORE_NAME_RE.match(s)),
-              "{key}={value!r} must be 1-64 characters of letters, digits and _.:-"),),
-        ),
-        "Prefix of every store and directory key: deployments sharing a Redis never see each "
-        "other's chunks.",
-        default="turbowire",
-    ),
-    ConfigKey(
-        "store_chunk_tokens",
-        Int(1, 1 << 16, " (a multiple of the KV block size)"),
-        "Tokens per stored chunk (a multiple of the block size). Only full chunks are stored; "
-        "a chunk is reused only after the identical prefix "
-        "under the same `cache_salt`, LoRA adapter and images.",
-        default=DEFAULT_STORE_CHUNK_TOKENS,
-    ),
-)
+) + STORE_KEYS  # the store path's keys last (config_store.py)
 
 CONFIG_KEYS_BY_NAME: Mapping[str, ConfigKey] = {k.name: k for k in CONFIG_KEYS}
 KNOWN_KEYS = frozenset(CONFIG_KEYS_BY_NAME)
