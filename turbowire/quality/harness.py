@@ -96,6 +96,7 @@ class ModelUnderTest:
         self.head_dim = int(
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         )
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.name = model_path.rstrip("/").split("/")[-1]
 
     def windows(self, prompt_len: int, continuation: int, count: int) -> list[torch.Tensor]:
@@ -108,6 +109,46 @@ class ModelUnderTest:
         return [ids[i * stride : i * stride + span] for i in range(count)]
 
 
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def prefill_kv(mut: ModelUnderTest, ids: torch.Tensor) -> KV:
+    """The exact prompt KV of ``ids`` (1-D): fp32 compute, per layer (K, V) as [T, H, D] rounded
+    to bf16 as a vLLM cache holds them (K after RoPE)."""
+    out = mut.model(ids[None], use_cache=True, logits_to_keep=1)
+    return [
+        (
+            layer.keys[0].transpose(0, 1).to(torch.bfloat16),
+            layer.values[0].transpose(0, 1).to(torch.bfloat16),
+        )
+        for layer in out.past_key_values.layers
+    ]
+
+
+def kv_cache(kv: KV):
+    """A fresh transformers cache holding ``kv`` (fp32, as the model computes)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for li, (k, v) in enumerate(kv):
+        cache.update(
+            k.to(torch.float32).transpose(0, 1)[None],
+            v.to(torch.float32).transpose(0, 1)[None],
+            li,
+        )
+    return cache
+
+
+def apply_method(method: KVMethod, kv: KV) -> tuple[KV, int]:
+    """Every layer's KV through ``method``: the reconstruction and the wire bytes."""
+    recon, nbytes = [], 0
+    for li, (k, v) in enumerate(kv):
+        kq, vq, nb = method.apply(li, k, v)
+        recon.append((kq, vq))
+        nbytes += nb
+    return recon, nbytes
+
+
 @torch.inference_mode()
 def evaluate(
     methods: Sequence[KVMethod],
@@ -116,8 +157,6 @@ def evaluate(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> list[MethodResult]:
     """Evaluate every method at every prompt length; returns one result per (method, length)."""
-    from transformers import DynamicCache
-
     torch.set_num_threads(config.threads)
     mut = mut or ModelUnderTest()
     results: list[MethodResult] = []
@@ -128,26 +167,12 @@ def evaluate(
         ref_result = MethodResult("bf16 (reference)", "reference", plen)
         for window in mut.windows(plen, config.continuation, config.windows):
             prompt, cont = window[:plen][None], window[plen:][None]
-            out = mut.model(prompt, use_cache=True)
-            layers = [
-                (
-                    layer.keys[0].transpose(0, 1).to(torch.bfloat16),
-                    layer.values[0].transpose(0, 1).to(torch.bfloat16),
-                )
-                for layer in out.past_key_values.layers
-            ]
+            layers = prefill_kv(mut, prompt[0])
             dense = sum(k.numel() + v.numel() for k, v in layers)
 
-            def continuation_logprobs(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-                cache = DynamicCache()
-                for li, (k, v) in enumerate(kv):
-                    cache.update(
-                        k.to(torch.float32).transpose(0, 1)[None],
-                        v.to(torch.float32).transpose(0, 1)[None],
-                        li,
-                    )
-                logits = mut.model(cont, past_key_values=cache).logits[0].to(torch.float32)
-                return torch.log_softmax(logits, dim=-1)
+            def continuation_logprobs(kv: KV) -> torch.Tensor:
+                logits = mut.model(cont, past_key_values=kv_cache(kv)).logits[0]
+                return torch.log_softmax(logits.to(torch.float32), dim=-1)
 
             ref = continuation_logprobs(layers)
             targets = cont[0, 1:]
@@ -157,11 +182,7 @@ def evaluate(
             ref_result.wire_bytes += dense * 2
             ref_result.dense_elements += dense
             for method in methods:
-                recon, nbytes = [], 0
-                for li, (k, v) in enumerate(layers):
-                    kq, vq, nb = method.apply(li, k, v)
-                    recon.append((kq, vq))
-                    nbytes += nb
+                recon, nbytes = apply_method(method, layers)
                 test = continuation_logprobs(recon)
                 r = per_method[method.name]
                 r.kl.append(float((ref.exp() * (ref - test)).sum(-1).mean()))

@@ -194,3 +194,18 @@ def baseline_methods(num_layers: int) -> list[SimulatedMethod]:
         methods.append(SimulatedMethod(f"vLLM {name} +bf16 boundary 2+2 (repro)", "reproduction",
                                        kf, vf, num_layers, boundary_layers=2))
     return methods
+
+
+#: the anchors the retrieval task compares with (the issue's: fp8, KIVI-4, vLLM 4bit_nc/3bit_nc)
+ANCHORS = (
+    "fp8 e4m3 (per-vector scale)",
+    "KIVI-4",
+    "vLLM turboquant_4bit_nc (repro)",
+    "vLLM turboquant_3bit_nc (repro)",
+)
+
+
+def anchor_methods(num_layers: int) -> list[SimulatedMethod]:
+    """The subset of :func:`baseline_methods` that long-context runs compare with (each baseline
+    costs as much as a preset per case)."""
+    return [m for m in baseline_methods(num_layers) if m.name in ANCHORS]
