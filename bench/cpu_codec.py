@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -137,8 +140,9 @@ def gbs(rate: float) -> str:
     return f"{rate * 2 / 1e9:.2f}"  # bf16: 2 bytes per dense element
 
 
-def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
+def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]], list[dict]]:
     rows: list[list[str]] = []
+    records: list[dict] = []  # the per-layer rates as numbers (--json)
     for dim, preset, lay in itertools.product(args.head_dims, args.presets, args.layouts):
         c = Case.build(preset, dim, args.tokens, args.heads, args.block_size, layout_name=lay)
         r = Case.build(preset, dim, args.ref_tokens, args.heads, args.block_size,
@@ -148,6 +152,9 @@ def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
         cd = best_rate(partial(c.decode, "cpu", dst_c), c.elements, args.repeats)
         re = best_rate(partial(r.encode, "reference"), r.elements, args.ref_repeats)
         rd = best_rate(partial(r.decode, "reference", dst_r), r.elements, args.ref_repeats)
+        records.append(dict(head_dim=dim, preset=preset, layout=lay, chunk_tokens=CHUNK,
+                            c_encode_elements_per_s=ce.wall, c_decode_elements_per_s=cd.wall,
+                            ref_encode_elements_per_s=re.wall, ref_decode_elements_per_s=rd.wall))
         rows.append(
             [
                 f"hd{dim}",
@@ -190,7 +197,7 @@ def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
                 f"{elements * 2 * 8 / 1e9 * 1e3:.0f} ms",
             ]
         )
-    return rows, prompt_rows
+    return rows, prompt_rows, records
 
 
 HEAD = [
@@ -243,6 +250,10 @@ def main() -> None:
     p.add_argument(
         "--markdown", action="store_true", help="also print Markdown tables for bench/RESULTS.md"
     )
+    p.add_argument(
+        "--json", type=Path, default=None,
+        help="also write the per-layer rates here (read by `turbowire recommend`)",
+    )
     args = p.parse_args()
     args.presets = [s for s in args.presets.split(",") if s]
     args.prompt_presets = [s for s in args.prompt_presets.split(",") if s]
@@ -260,7 +271,13 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}"
     )
     console.print(f"[bold]CPU codec[/bold]  {machine}")
-    rows, prompt_rows = run(args)
+    rows, prompt_rows, records = run(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(
+            {"command": "python -m bench.cpu_codec " + " ".join(sys.argv[1:]),
+             "machine": machine, "date": time.strftime("%Y-%m-%d"), "per_layer": records},
+            indent=1))
     for title, head, body in [
         ("per layer (chunks of 256 tokens, bf16 cache)", HEAD, rows),
         ("2k-token prompt, 8 layers x 8 KV heads x 128", PROMPT_HEAD, prompt_rows),

@@ -122,6 +122,7 @@ def time_side(out: Path) -> None:
             dplan.check()
             rows.append({
                 "preset": preset, "chunk": chunk,
+                "dense_bytes": LAYERS * 2 * TOKENS * HEADS * DIM * src.element_size(),
                 "encode_ms": _time(eplan.launch), "decode_ms": _time(dplan.launch),
                 "wire_digest": hashlib.sha256(staging.cpu().numpy().tobytes()).hexdigest()[:16],
                 "cache_digest": hashlib.sha256(

@@ -29,7 +29,8 @@ app = typer.Typer(
 )
 
 # Order is the order shown in --help. A module that is not there yet is skipped.
-COMMAND_MODULES = ["presets", "eval", "models", "proxy", "demo", "metrics", "bench", "soak"]
+COMMAND_MODULES = ["presets", "eval", "recommend", "models", "proxy", "demo", "metrics", "bench",
+                   "soak"]
 
 
 def _version_callback(value: bool) -> None:

@@ -1,0 +1,194 @@
+"""The recommended-configuration table: every preset's measured quality and speed in one place.
+
+Nothing here measures: it reads what ``turbowire eval`` (quality and retrieval tasks),
+``python -m bench.kernels_vs`` (H200) and ``python -m bench.cpu_codec --json`` wrote, so the
+table (and README's preset guidance, generated from it) can only say what was measured. The
+rule that decides a recommendation: a preset is recommended only where the retrieval run has it
+at every prompt length, and its accuracy there is at least the same run's exact KV's minus
+``RETRIEVAL_SLACK_POINTS``; a preset that loses retrieval the exact KV has is never recommended.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from turbowire.codec import Codec, list_presets
+
+RETRIEVAL_SLACK_POINTS = 1.0  # issue 35's bar: exact KV's accuracy minus 1 point, every length
+REFERENCE_FAMILY = "reference"
+BITS_HEAD_DIM, BITS_HEADS, BITS_LAYERS = 128, 8, 32  # the geometry bits/element is quoted at
+
+
+@dataclass
+class PresetRow:
+    """What was measured about one preset (None: not measured)."""
+
+    preset: str
+    bits: float
+    kl: dict[int, float] = field(default_factory=dict)  # prompt length -> mean KL
+    top1: dict[int, float] = field(default_factory=dict)
+    accuracy: dict[int, float] = field(default_factory=dict)  # prompt length -> retrieval %
+    exact_accuracy: dict[int, float] = field(default_factory=dict)
+    nll_ratio: dict[int, float] = field(default_factory=dict)
+    h200_gbs: tuple[float, float] | None = None  # dense GB/s, encode and decode
+    cpu_gbs: tuple[float, float] | None = None
+    verdict: str = ""
+    recommended: bool = False
+
+    @property
+    def ratio(self) -> float:
+        return 16.0 / self.bits
+
+
+def preset_bits(name: str) -> float:
+    """Bits per element of a body layer's full 256-token chunk, every wire byte counted."""
+    codec = Codec(name, BITS_HEAD_DIM, BITS_LAYERS, 256)
+    layer = codec.preset.boundary_layers if codec.preset.boundary else 0
+    return codec.bits_per_element(min(layer, BITS_LAYERS - 1), BITS_HEADS)
+
+
+def _read(path: Path | None) -> Any:
+    if path is None or not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _quality(rows: dict[str, PresetRow], data: Any) -> None:
+    for r in (data or {}).get("results", []):
+        row = rows.get(r.get("name"))
+        if row is not None and r.get("kl"):
+            row.kl[int(r["prompt_len"])] = _mean(r["kl"])
+            row.top1[int(r["prompt_len"])] = _mean(r["top1"])
+
+
+def _retrieval(rows: dict[str, PresetRow], data: Any) -> None:
+    cases = (data or {}).get("results", [])
+    exact: dict[int, list[bool]] = {}
+    exact_nll: dict[tuple[int, str], float] = {}
+    for c in cases:
+        if c.get("family") == REFERENCE_FAMILY:
+            exact.setdefault(int(c["length"]), []).append(bool(c["correct"]))
+            exact_nll[(int(c["length"]), c["seed"])] = float(c["nll"])
+    per: dict[tuple[str, int], list[dict]] = {}
+    for c in cases:
+        if c.get("method") in rows:
+            per.setdefault((c["method"], int(c["length"])), []).append(c)
+    for (name, length), cs in per.items():
+        row = rows[name]
+        row.accuracy[length] = 100.0 * _mean([float(c["correct"]) for c in cs])
+        row.exact_accuracy[length] = 100.0 * _mean([float(x) for x in exact.get(length, [])])
+        pairs = [(float(c["nll"]), exact_nll[(length, c["seed"])]) for c in cs
+                 if (length, c["seed"]) in exact_nll]
+        if pairs:
+            row.nll_ratio[length] = (sum(a for a, _ in pairs)
+                                     / max(sum(b for _, b in pairs), 1e-12))
+
+
+def _h200(rows: dict[str, PresetRow], data: Any) -> None:
+    for r in data or []:
+        row = rows.get(r.get("preset"))
+        if row is not None and r.get("chunk") == 256 and r.get("dense_bytes"):
+            gb = r["dense_bytes"] / 1e9
+            row.h200_gbs = (gb / (r["encode_ms"] / 1e3), gb / (r["decode_ms"] / 1e3))
+
+
+def _cpu(rows: dict[str, PresetRow], data: Any) -> None:
+    for r in (data or {}).get("per_layer", []):
+        row = rows.get(r.get("preset"))
+        if row is not None and r.get("head_dim") == BITS_HEAD_DIM and r.get("layout") == "packed":
+            row.cpu_gbs = (r["c_encode_elements_per_s"] * 2 / 1e9,
+                           r["c_decode_elements_per_s"] * 2 / 1e9)
+
+
+def _judge(row: PresetRow) -> None:
+    if row.preset == "raw":
+        row.verdict = "lossless (bf16 in the container): the reference, no compression"
+        return
+    if not row.accuracy:
+        row.verdict = "retrieval not measured: not recommended"
+        return
+    losses = [(n, row.exact_accuracy[n] - a) for n, a in sorted(row.accuracy.items())
+              if a < row.exact_accuracy[n] - RETRIEVAL_SLACK_POINTS]
+    if losses:
+        n, d = max(losses, key=lambda x: x[1])
+        row.verdict = f"loses retrieval the exact KV has ({d:.0f} points at {n}): not recommended"
+        return
+    row.recommended = True
+    longest = max(row.accuracy)
+    row.verdict = f"retrieval = exact KV's up to {longest} tokens"
+
+
+def build(quality: Path | None, retrieval: Path | None, h200: Path | None,
+          cpu: Path | None, presets: list[str] | None = None) -> list[PresetRow]:
+    """One row per preset from whichever result files exist (missing ones leave gaps)."""
+    rows = {p: PresetRow(p, preset_bits(p)) for p in (presets or list_presets())}
+    _quality(rows, _read(quality))
+    _retrieval(rows, _read(retrieval))
+    _h200(rows, _read(h200))
+    _cpu(rows, _read(cpu))
+    for row in rows.values():
+        _judge(row)
+    return sorted(rows.values(), key=lambda r: -r.bits)
+
+
+def use_when(row: PresetRow) -> str:
+    """Which deployments the preset fits, from its bits and verdict."""
+    if not row.recommended:
+        return "-"
+    if row.bits >= 6:
+        return "accuracy first; links fast enough for ~2.5x"
+    if row.bits >= 4:
+        return "the default: ~4x less to move, quality of the exact KV"
+    return "slow links; check your model with turbowire eval"
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def table_rows(rows: list[PresetRow]) -> list[list[str]]:
+    """Cells of the summary table (fits 80 columns as a rich table)."""
+    out = []
+    for r in rows:
+        kl_len = max(r.kl) if r.kl else None
+        acc_len = max(r.accuracy) if r.accuracy else None
+        out.append([
+            r.preset, f"{r.bits:.2f}", f"{r.ratio:.2f}x",
+            _fmt(r.kl.get(kl_len) if kl_len else None, ".4f"),
+            _fmt(r.top1.get(kl_len) * 100 if kl_len else None, ".1f"),
+            (f"{r.accuracy[acc_len]:.0f}/{r.exact_accuracy[acc_len]:.0f}" if acc_len else "-"),
+            _fmt(r.nll_ratio.get(acc_len) if acc_len else None, ".2f"),
+            "/".join(f"{x / 1e3:.2f}" for x in r.h200_gbs) if r.h200_gbs else "-",
+            "/".join(f"{x:.2f}" for x in r.cpu_gbs) if r.cpu_gbs else "-",
+            "yes" if r.recommended else "no",
+        ])
+    return out
+
+
+HEAD = ["preset", "b/e", "ratio", "KL", "top1", "acc/ex", "NLL×", "H200 TB/s", "CPU GB/s",
+        "rec"]
+
+
+def markdown(rows: list[PresetRow], sources: dict[str, str]) -> str:
+    """The table and each preset's verdict, as README's preset guidance shows them."""
+    lines = ["| " + " | ".join(HEAD + ["use when"]) + " |",
+             "|" + "---|" * (len(HEAD) + 1)]
+    for r, cells in zip(rows, table_rows(rows)):
+        lines.append("| " + " | ".join(cells + [use_when(r)]) + " |")
+    lines += ["", "Why each verdict:", ""]
+    lines += [f"- `{r.preset}`: {r.verdict}." for r in rows]
+    lines += ["", "Columns: b/e = bits per element at hd128, 8 KV heads, 256-token chunks, every "
+              "wire byte counted; KL and top-1 at the longest prompt of the quality run; acc/exact "
+              "= retrieval accuracy (%) of the preset / of the exact KV at the longest prompt of "
+              "the retrieval run; NLL× = answer-token NLL over the exact KV's; GB/s = dense bf16 "
+              "bytes per second (H200: TB/s), encode/decode (H200: Llama-3.1-8B 4k slice; CPU: one core, "
+              "hd128). Sources: " + "; ".join(f"{k} `{v}`" for k, v in sources.items()) + "."]
+    return "\n".join(lines) + "\n"
