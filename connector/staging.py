@@ -371,6 +371,11 @@ class StagingPool:
         with self._lock:
             return request_id in self._leases
 
+    def get_lease(self, request_id: str) -> Lease | None:
+        """The lease a request holds (None: none); the pool's own object, not a copy."""
+        with self._lock:
+            return self._leases.get(request_id)
+
     def _give_back(self, slots: Iterable[int]) -> None:
         for s in slots:
             heapq.heappush(self._free, s)

@@ -243,7 +243,7 @@ class StoreWorker:
                     if blob is None:
                         raise StoreMiss(f"chunk at token {chunk.token_start} is not in the store")
                     d0 = time.perf_counter()
-                    written = self._decode_chunk(load, chunk, blob)
+                    written = self.decode_chunk(load, chunk, blob)
                     report.decode_seconds += time.perf_counter() - d0
                 except TurboWireError as exc:
                     failed_at = i
@@ -291,8 +291,10 @@ class StoreWorker:
             self._reports[load.request_id] = report
             self._finished.add(load.request_id)
 
-    def _decode_chunk(self, load: StoreLoad, chunk: StoreChunk, blob: bytes) -> int:
-        """Check and decode one stored chunk; the tokens written (all but those vLLM holds)."""
+    def decode_chunk(self, load: StoreLoad, chunk: StoreChunk, blob: bytes) -> int:
+        """Check and decode one stored chunk of ``load`` (``blob``: what the store returned for
+        it); the tokens written (all but those vLLM holds). A blob that fails a check raises a
+        ``TurboWireError`` before any layer is written."""
         from turbowire.codec.wire import parse_header as parse_chunk_header
         from turbowire.codec.wire import verify_body
 

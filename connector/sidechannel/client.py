@@ -113,6 +113,10 @@ class SideChannelClient:
     ``timeout`` bounds every call (a deadline, never None). With ``tls`` holding a CA bundle the
     channel is TLS, the peer's certificate must be signed by that CA and name ``host`` in its
     subject alternative names, and ``tls.cert``/``tls.key`` are shown to peers requiring mTLS.
+    ``stub``: the side channel's RPCs (``Handshake``, ``ReleaseLease``, ``Heartbeat``,
+    ``PoolStatus``, called as the gRPC stub's are) answered without a channel, e.g. by a
+    :class:`~turbowire.connector.sidechannel.server.SideChannelHandler` in this process (tests,
+    fuzz targets); None: a channel to ``host:port`` and its stub.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class SideChannelClient:
         auth_token: str | None,
         timeout: float,
         tls: SideChannelTLS | None = None,
+        stub: Any = None,
     ) -> None:
         if (
             isinstance(timeout, bool)
@@ -148,16 +153,20 @@ class SideChannelClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.enable_http_proxy", 0),
         ]
-        if tls is not None and self.secure:
-            self._channel = grpc.secure_channel(
-                _target(host, port), tls.channel_credentials(), options=options
-            )
-        else:
-            self._channel = grpc.insecure_channel(_target(host, port), options=options)
-        self._stub = pb_grpc.SideChannelStub(self._channel)
+        self._channel: grpc.Channel | None = None
+        if stub is None:
+            if tls is not None and self.secure:
+                self._channel = grpc.secure_channel(
+                    _target(host, port), tls.channel_credentials(), options=options
+                )
+            else:
+                self._channel = grpc.insecure_channel(_target(host, port), options=options)
+            stub = pb_grpc.SideChannelStub(self._channel)
+        self._stub = stub
 
     def close(self) -> None:
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
     def _fail(self, what: str, err: grpc.RpcError) -> SideChannelError:
         code = err.code() if hasattr(err, "code") else None

@@ -1236,14 +1236,19 @@ def sidechannel_lease(leases: list[tuple[str, int]],
             assert unknown[rid] <= got_unknown[rid] <= unknown[rid] + either[rid], (
                 f"{verb}({ids}, tp_rank={rank}): done={list(reply.done)} unknown="
                 f"{list(reply.unknown)}; {rid!r} should be unknown {unknown[rid]} time(s)")
-    free = set(pool._free)
+    held_slots = 0
     for rid, n in leases:
         all_released = set(range(n)) <= released[rid]
-        held = not (set(slots_of[rid]) & free)
+        held = pool.has_lease(rid)
         assert held != all_released, (
             f"lease {rid!r} with {n} consumers released by ranks {sorted(released[rid])}: "
-            f"slots {'still held' if held else 'freed'}"
+            f"{'still held' if held else 'freed'}"
         )
+        held_slots += len(slots_of[rid]) if held else 0
+    used = pool.snapshot().used_slots
+    assert used == held_slots, (
+        f"{used} staging slots in use, {held_slots} held by the leases left: a lease's slots "
+        "return to the pool exactly when the lease goes")
 
 
 _DIGESTS = ("a" * 24, "b" * 24, "")
@@ -1621,7 +1626,7 @@ def store_blob(preset: str, token_start: int, form: str, data: st.DataObject) ->
 
 
 @target(
-    prop="StoreWorker._decode_chunk (the store load of one chunk, all layers) on a flipped, "
+    prop="StoreWorker.decode_chunk (the store load of one chunk, all layers) on a flipped, "
          "truncated, forged or other chunk's blob returns the tokens written or raises a "
          "TurboWireError; nothing outside the chunk's slots (and nothing at all on refusal) "
          "changes in any layer's cache",
@@ -1671,7 +1676,7 @@ def store_decode_chunk(preset: str, chunk_index: int, skip: int, data: st.DataOb
     load = StoreLoad("r", ids, first, [StoreChunk(token_start, chash)])
     before = [c.bits().clone() for c in caches]
     masks = [c.mask([(ids, first, token_start + STORE_CHUNK - first)]) for c in caches]
-    exc, written = attempt("StoreWorker._decode_chunk", StoreWorker._decode_chunk, stub, load,
+    exc, written = attempt("StoreWorker.decode_chunk", StoreWorker.decode_chunk, stub, load,
                            load.chunks[0], raw)
     for c, b, m in zip(caches, before, masks, strict=True):
         changed = c.bits() != b

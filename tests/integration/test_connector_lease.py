@@ -11,9 +11,10 @@ import grpc
 import pytest
 
 from turbowire.connector.sidechannel import sidechannel_pb2 as pb
+from turbowire.connector.sidechannel import sidechannel_pb2_grpc as pb_grpc
 from turbowire.connector.sidechannel.client import SideChannelClient
 from turbowire.connector.sidechannel.convert import StagingInfo
-from turbowire.connector.sidechannel.server import SideChannelServer
+from turbowire.connector.sidechannel.server import AUTH_HEADER, SideChannelServer
 from turbowire.connector.staging import StagingPool
 
 pytestmark = pytest.mark.integration
@@ -84,11 +85,13 @@ def test_a_release_or_heartbeat_must_present_the_lease_token():
                 assert list(reply.unknown) == ["victim"] and list(reply.refused) == ["victim"]
         assert pool.has_lease("victim") and pool.snapshot().used_slots == 6
         assert refused == [(["victim"], [])]  # counted once per lease
-        # a malformed call is refused before it reaches the pool
-        with pytest.raises(grpc.RpcError, match="1 lease tokens for 2 request ids"):
-            client._stub.ReleaseLease(pb.LeaseRequest(request_ids=["victim", "attacker"],
-                                                      lease_tokens=[victim]),
-                                      timeout=5, metadata=client._metadata)
+        # a malformed call (sent raw: the client refuses to build one) is refused before it
+        # reaches the pool
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, \
+                pytest.raises(grpc.RpcError, match="1 lease tokens for 2 request ids"):
+            pb_grpc.SideChannelStub(channel).ReleaseLease(
+                pb.LeaseRequest(request_ids=["victim", "attacker"], lease_tokens=[victim]),
+                timeout=5, metadata=((AUTH_HEADER, "Bearer shared-token-123"),))
         assert list(client.heartbeat(["victim"], lease_tokens=[victim]).done) == ["victim"]
         reply = client.release(["victim", "attacker"], lease_tokens=[victim, attacker])
         assert list(reply.done) == ["victim", "attacker"]

@@ -392,7 +392,7 @@ def test_prefill_issues_a_lease_token_the_decode_side_presents(prefill):
     sched, mgr = prefill
     params = _finish_prefill(sched, mgr, "victim")
     token = params["turbowire_lease_token"]
-    assert len(token) == 32 and token == sched.pool._leases["victim"].token
+    assert len(token) == 32 and token == sched.pool.get_lease("victim").token
     assert params["turbowire_format_version"] == FORMAT_VERSION == 2
 
     decode = make_scheduler()

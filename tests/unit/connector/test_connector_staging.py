@@ -255,9 +255,9 @@ def test_the_side_channel_tells_a_refused_claim_from_an_expired_lease():
             return method(request, SimpleNamespace(abort=lambda code, msg: pytest.fail(msg)))
         return rpc
 
-    client = SideChannelClient("127.0.0.1", 1, None, timeout=1)
-    client._stub = SimpleNamespace(Heartbeat=call(servicer.Heartbeat),
-                                   ReleaseLease=call(servicer.ReleaseLease))
+    client = SideChannelClient("127.0.0.1", 1, None, timeout=1,
+                               stub=SimpleNamespace(Heartbeat=call(servicer.Heartbeat),
+                                                    ReleaseLease=call(servicer.ReleaseLease)))
     try:
         assert pool.release(["gone"]) == (["gone"], [], [])  # released: gone for good
         wrong = "f" * 32 if held.token != "f" * 32 else "e" * 32
@@ -396,9 +396,8 @@ def test_the_side_channel_answers_a_mismatched_claim_in_its_own_field():
             aborted.append(msg)
             raise RuntimeError(msg)
 
-    client = SideChannelClient("127.0.0.1", 1, None, timeout=1)
-    client._stub = SimpleNamespace(
-        Heartbeat=lambda request, timeout, metadata: servicer.Heartbeat(request, Ctx()))
+    client = SideChannelClient("127.0.0.1", 1, None, timeout=1, stub=SimpleNamespace(
+        Heartbeat=lambda request, timeout, metadata: servicer.Heartbeat(request, Ctx())))
     try:
         reply = client.heartbeat(["r"], "D", lease_tokens=[lease.token], prompts=[("e" * 24, 9)])
         assert list(reply.prompt_mismatch) == ["r"] and list(reply.unknown) == ["r"]

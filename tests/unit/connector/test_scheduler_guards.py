@@ -169,7 +169,8 @@ def test_a_repeated_request_id_on_the_prefill_engine_falls_back_without_touching
     first.num_computed_tokens = 64
     first.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, held = conn.request_finished(first, [1, 2])
-    lease = sched.pool._leases["dup"]
+    lease = sched.pool.get_lease("dup")
+    assert lease is not None
     second = vllm_request("dup", list(range(100, 164)), {"do_remote_decode": True})
     conn.on_new_request(second)
     mgr.blocks["dup"] = [3, 4]
@@ -179,7 +180,7 @@ def test_a_repeated_request_id_on_the_prefill_engine_falls_back_without_touching
     second.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = conn.request_finished(second, [3, 4])
     assert params["turbowire_fallback"] == "internal" and params["remote_block_ids"] == []
-    assert sched.pool._leases["dup"] is lease and lease.token == held["turbowire_lease_token"]
+    assert sched.pool.get_lease("dup") is lease and lease.token == held["turbowire_lease_token"]
     assert counters(sched) == {"failures|reason=internal": 1}
     sched.shutdown()
 
@@ -330,7 +331,8 @@ def test_the_prefill_engine_signs_its_params_and_binds_the_lease_to_the_prompt()
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = prefill.request_finished(req, [1, 2, 3])
     RemotePrefill.parse(params, BS).verify_mac(KEY)
-    lease = prefill.pool._leases["p1"]
+    lease = prefill.pool.get_lease("p1")
+    assert lease is not None
     assert (lease.prompt_digest, lease.num_tokens) == (prompt_digest(prompt, 70), 70)
     # the fallback answer is signed as well (nothing in it may be swapped either)
     fb = make("kv_producer", auth_token=TOKEN, staging_bytes="64KiB")
