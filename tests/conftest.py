@@ -22,6 +22,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+# the repository root, for the ``bench`` package (tests/support/fakes.py takes the stand-ins the
+# GPU path bench shares with the tests from it): ``python -m pytest`` from the root (make test)
+# puts it there too; last, so that it shadows nothing installed
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

@@ -117,7 +117,7 @@ def connector_check(preset: str, log: Log) -> dict[str, Any]:
     attach_loader(d, p)
     save, dids = meta.saves[0], perm[40:60]
     offsets = fill_recv(d, p, save)
-    d.start_load_kv(load_meta("da", "a", save, dids, preset))
+    d.start_load_kv(load_meta("da", save, dids, preset))
     fin, failed = drain(d)
     ref_dst = reference_decode(d, save, offsets, dids, names, 7.0)
     out["load_finished"] = fin == {"da"} and not failed
@@ -128,7 +128,7 @@ def connector_check(preset: str, log: Log) -> dict[str, Any]:
     d.recv[at] ^= 0x40
     for n in names:
         dst[n].fill_(7.0)
-    d.start_load_kv(load_meta("db", "a", save, dids, preset))
+    d.start_load_kv(load_meta("db", save, dids, preset))
     fin, failed = drain(d)
     reports = d.take_reports()
     report = reports.reports.get("db") if reports is not None else None

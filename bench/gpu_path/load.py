@@ -22,14 +22,8 @@ import numpy as np
 import torch
 
 from bench.gpu_path.check import first_mismatch
-from bench.gpu_path.rig import (
-    BLOCK,
-    SMOKE,
-    FakeTransport,
-    bench_ms,
-    load_meta,
-    sync,
-)
+from bench.gpu_path.fakes import FakeTransport
+from bench.gpu_path.rig import BLOCK, SMOKE, bench_ms, load_meta, sync
 from turbowire.connector import probe
 from turbowire.connector.coder import ChunkOffsets
 from turbowire.connector.metadata import SaveRequest
@@ -104,7 +98,7 @@ def load_once(rig: LoadRig, rid: str, hold: bool, two_polls: bool = False,
     """One load (see the module); times in ms from the landing (``hold``) or the post.
     ``marks``: the probe's spans of the load land here (``coder.launch``: its launches)."""
     d, t = rig.d, rig.transport
-    lm = load_meta(rid, rig.rid, rig.save, rig.block_ids, rig.preset)
+    lm = load_meta(rid, rig.save, rig.block_ids, rig.preset)
     spans: list[tuple[str, int, int]] = []
     gc_ns: list[int] = [0, 0]
 
@@ -115,21 +109,23 @@ def load_once(rig: LoadRig, rid: str, hold: bool, two_polls: bool = False,
             gc_ns[1] += time.perf_counter_ns() - gc_ns[0]
 
     sync()
-    t.hold = hold
-    first = t.posted
+    t.reads.clear()  # this load's READs from 0 (the earlier loads' all landed)
+    held = hold or two_polls
+    t.auto_land = not held  # held: pending until they land below
     with probe.recording(lambda name, a, b: spans.append((name, a, b))):
         t0 = time.perf_counter_ns()
         d.start_load_kv(lm)
         t1 = time.perf_counter_ns()
         gc.callbacks.append(on_gc)
-        if two_polls:
-            t.hold_from = first + 2
-        t.hold = False
+        if held:  # the READs posted land at one instant (two polls: the first two, a poll)
+            t.land(0, 2 if two_polls else None)
+            t.auto_land = not two_polls
         t2 = time.perf_counter_ns()
         fin, failed = set(), set()
         if two_polls:
             fin, failed = d.get_transfer_results()
-            t.hold_from = None
+            t.land()
+            t.auto_land = True
         while rid not in fin:
             f, x = d.get_transfer_results()
             fin |= f

@@ -1,5 +1,6 @@
-"""The rig: a prefill and a decode worker built the way vLLM builds them, a fake transport and
-side channel, a stand-in forward, and the clocks. Only turbowire's public names are used: the
+"""The rig: a prefill and a decode worker built the way vLLM builds them, on the stand-ins of
+fakes.py (a fake transport and side channel, inline side-channel calls; the connector's tests use
+the same ones), a stand-in forward, and the clocks. Only turbowire's public names are used: the
 worker's vLLM-facing calls and public attributes, ``KVLoader``'s constructor (everything a loader
 talks to is injected there), ``make_coder`` and ``turbowire.kernels``."""
 
@@ -10,7 +11,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 SMOKE = os.environ.get("TW_BENCH_SMOKE") == "1"  # CPU + Triton interpreter, tiny shapes
@@ -24,19 +24,9 @@ STUBS = stubs.install()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.gpu_path import fakes  # noqa: E402
 from turbowire.connector.coder import ChunkOffsets, CudaCoder, make_coder  # noqa: E402
-from turbowire.connector.config import TurboWireConfig  # noqa: E402
-from turbowire.connector.geometry import block_tag  # noqa: E402
-from turbowire.connector.loader import KVLoader, LocalEnd  # noqa: E402
-from turbowire.connector.metadata import (  # noqa: E402
-    LoadBlock,
-    LoadRequest,
-    PeerAddress,
-    SaveBlock,
-    SaveRequest,
-    TurboWireConnectorMetadata,
-)
-from turbowire.connector.transports import TransferState  # noqa: E402
+from turbowire.connector.metadata import SaveRequest, TurboWireConnectorMetadata  # noqa: E402
 from turbowire.connector.worker import TurboWireWorker  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -58,118 +48,16 @@ def layer_names(n: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------
-# stand-ins: the transport and the prefill engine's side channel
-# ------------------------------------------------------------------------------------------
-class FakeTransfer:
-    """A READ whose bytes are in the receive buffer already: landed unless the transport holds
-    it (the bench lands every held READ at one instant)."""
-
-    def __init__(self, transport: FakeTransport) -> None:
-        self.transport = transport
-        self.index = transport.posted
-        transport.posted += 1
-
-    def state(self) -> TransferState:
-        t = self.transport
-        held = t.hold or (t.hold_from is not None and self.index >= t.hold_from)
-        return TransferState.PENDING if held else TransferState.DONE
-
-    def release(self) -> None:
-        pass
-
-
-class FakeTransport:
-    name = "fake"
-    agent_name = "bench-agent"
-
-    def __init__(self) -> None:
-        self.hold = False  # READs stay PENDING while set
-        self.hold_from: int | None = None  # READs posted from this count on stay PENDING
-        self.posted = 0
-
-    def register(self, tensor: Any) -> None:
-        pass
-
-    def local_metadata(self) -> bytes:
-        return b""
-
-    def add_peer(self, metadata: bytes) -> str:
-        return "prefill-agent"
-
-    def remove_peer(self, name: str) -> None:
-        pass
-
-    def read(self, peer: str, local: Any, remote: Any, mem_type: str,
-             notif: bytes = b"") -> FakeTransfer:
-        return FakeTransfer(self)  # O(1): the fake's cost is not the path's
-
-    def close(self) -> None:
-        pass
-
-
-class FakeClient:
-    """The prefill engine's side channel: hands out its staging layout, grants every lease."""
-
-    def __init__(self, prefill: TurboWireWorker) -> None:
-        self.p = prefill
-
-    def handshake(self, record: Any, engine_id: str, tp_rank: int) -> SimpleNamespace:
-        p = self.p
-        assert p.staging is not None
-        staging = SimpleNamespace(
-            agent_name="prefill-agent", agent_metadata=b"", base_addr=p.staging.data_ptr(),
-            slot_bytes=p.layout.slot_bytes, num_slots=p.layout.num_slots,
-            layer_offsets=tuple(p.layout.layer_offsets), device_id=0, mem_type=p.mem_type)
-        return SimpleNamespace(engine_id="prefill", record=p.record, staging=staging)
-
-    def heartbeat(self, ids: list[str], engine_id: str = "", **kw: Any) -> SimpleNamespace:
-        return SimpleNamespace(done=list(ids), unknown=[], refused=[])
-
-    def release(self, ids: list[str], engine_id: str = "", tp_rank: int = 0,
-                **kw: Any) -> SimpleNamespace:
-        return SimpleNamespace(done=list(ids), unknown=[], refused=[])
-
-
-class InlineExecutor:
-    """Runs the loader's side-channel calls inline (their network time is not the path's)."""
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
-        from concurrent.futures import Future
-
-        f: Future = Future()
-        try:
-            f.set_result(fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - handed to the loader through the future
-            f.set_exception(exc)
-        return f
-
-
-# ------------------------------------------------------------------------------------------
-# workers, built as vLLM builds them
+# workers, built as vLLM builds them, on fakes.py's stand-ins
 # ------------------------------------------------------------------------------------------
 def make_worker(preset: str, role: str, engine_id: str, num_blocks: int, pool_bytes: int,
                 layers: int, heads: int, dim: int, groups: int = 8) -> TurboWireWorker:
     """A worker from stand-ins of vLLM's config objects, through its own constructor."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
     extra = {"preset": preset, "staging_bytes": pool_bytes, "recv_bytes": pool_bytes,
              "decode_pipeline_groups": groups, "nixl_progress_delay_us": 0}
-    ktc = SimpleNamespace(kv_connector="TurboWireConnector", kv_role=role,
-                          kv_connector_extra_config=extra, engine_id=engine_id,
-                          is_kv_producer=role in ("kv_producer", "kv_both"),
-                          is_kv_consumer=role in ("kv_consumer", "kv_both"),
-                          is_kv_transfer_instance=True)
-    vcfg = SimpleNamespace(
-        kv_transfer_config=ktc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
-        model_config=SimpleNamespace(model="/m/Llama-3.1-8B", served_model_name="llama"),
-        speculative_config=None, compilation_config=SimpleNamespace(static_forward_context={}))
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=dim,
-                             dtype=torch.bfloat16)
-    kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(layer_names(layers), spec)])
-    cfg = TurboWireConfig.from_extra_config(extra, environ={})
-    return TurboWireWorker(vcfg, kcfg, cfg, engine_id)
+    return fakes.build_worker(extra, layer_names(layers), engine_id=engine_id, kv_role=role,
+                              block_size=BLOCK, num_kv_heads=heads, head_size=dim,
+                              num_blocks=num_blocks)
 
 
 def use_coder(w: TurboWireWorker, schedule: str = "layerwise",
@@ -187,24 +75,13 @@ def use_coder(w: TurboWireWorker, schedule: str = "layerwise",
     return coder
 
 
-def attach_loader(d: TurboWireWorker, p: TurboWireWorker) -> FakeTransport:
-    """Replace the decode worker's loader by one built through ``KVLoader``'s constructor with the
-    fake transport, fake clients (of prefill worker ``p``) and inline side-channel calls; the
-    decode and its preparation are the worker's coder's. Returns the transport (hold/land)."""
-    assert d.caches is not None and d.recv is not None and d.recv_ranges is not None
-    assert d.coder is not None
-    if d.loader is not None:
-        d.loader.close()
-    client = FakeClient(p)
-    transport = FakeTransport()
-    local = LocalEnd(d.engine_id, d.tp_rank, d.record, d.mem_type, d.recv.data_ptr(),
-                     max(d.caches.device.index or 0, 0), d.caches.num_blocks,
-                     d.caches.dense_bytes_per_token())
-    d.loader = KVLoader(d.config, d.geometry, d.layout, d.chunk_nbytes, local, transport,
-                        SimpleNamespace(get=lambda host, port: client, close=lambda: None),
-                        d.recv_ranges, d.coder.decode, InlineExecutor(), d.stats,
-                        prepare=d.coder.prepare_load)
-    return transport
+def attach_loader(d: TurboWireWorker, p: TurboWireWorker) -> fakes.FakeTransport:
+    """Replace the decode worker's loader by one on a fake transport (its READs land when
+    posted, unless the bench turns ``auto_land`` off and lands them itself), a fake side
+    channel of prefill worker ``p`` that grants every lease, and inline side-channel calls; the
+    decode and its preparation are the worker's coder's. Returns the transport."""
+    client = fakes.FakeClient(p.layout, p.record, engine_id="prefill", mem_type=p.mem_type)
+    return fakes.attach_loader(d, client, fakes.FakeTransport(auto_land=True))
 
 
 # ------------------------------------------------------------------------------------------
@@ -212,18 +89,14 @@ def attach_loader(d: TurboWireWorker, p: TurboWireWorker) -> FakeTransport:
 # ------------------------------------------------------------------------------------------
 def save_meta(rid: str, block_ids: list[int], ntok: int,
               slot0: int = 0) -> TurboWireConnectorMetadata:
-    blocks = [SaveBlock(i, block_ids[i], min(BLOCK, ntok - i * BLOCK), slot0 + i,
-                        block_tag(rid, i)) for i in range((ntok + BLOCK - 1) // BLOCK)]
-    return TurboWireConnectorMetadata(saves=[SaveRequest(rid, list(block_ids), blocks)])
+    return TurboWireConnectorMetadata(
+        saves=[fakes.save_request(rid, block_ids, ntok, BLOCK, slot0=slot0)])
 
 
-def load_meta(rid: str, remote: str, save: SaveRequest, block_ids: list[int],
+def load_meta(rid: str, save: SaveRequest, block_ids: list[int],
               preset: str) -> TurboWireConnectorMetadata:
-    peer = PeerAddress("prefill", "127.0.0.1", 1, 1)
-    blocks = [LoadBlock(b.index, block_ids[b.index], b.num_tokens, b.slot, b.tag)
-              for b in save.blocks]
-    return TurboWireConnectorMetadata(loads=[LoadRequest(rid, remote, peer, blocks, preset,
-                                                         list(block_ids))])
+    """Request ``rid`` loads what ``save`` staged on the prefill engine ("prefill")."""
+    return TurboWireConnectorMetadata(loads=[fakes.load_request(rid, save, block_ids, preset)])
 
 
 def fill_recv(d: TurboWireWorker, p: TurboWireWorker, save: SaveRequest,

@@ -48,6 +48,20 @@ def stub_vllm() -> None:
         get_tensor_model_parallel_rank
 
     @dataclass
+    class KVTransferConfig:
+        kv_connector: str
+        kv_role: str
+        kv_connector_extra_config: dict
+        engine_id: str
+
+        def __post_init__(self) -> None:  # vLLM's are properties of the role
+            self.is_kv_transfer_instance = True
+            self.is_kv_producer = self.kv_role in ("kv_producer", "kv_both")
+            self.is_kv_consumer = self.kv_role in ("kv_consumer", "kv_both")
+
+    _module("vllm.config").KVTransferConfig = KVTransferConfig
+
+    @dataclass
     class AttentionSpec:
         block_size: int
         num_kv_heads: int
@@ -80,7 +94,7 @@ def stub_vllm() -> None:
 
 class _Agent:
     """A NIXL agent that registers memory and nothing else: the bench's loads READ through the
-    fake transport it gives the loader (rig.FakeTransport), never through NIXL."""
+    fake transport it gives the loader (fakes.FakeTransport), never through NIXL."""
 
     def __init__(self, name: str, config: Any = None) -> None:
         self.name = name

@@ -22,7 +22,15 @@ from types import SimpleNamespace  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from support.fakes import FakeTransport, use_cuda_coder  # noqa: E402
+from support.fakes import (  # noqa: E402
+    FakeClient,
+    FakeTransport,
+    InlineExecutor,
+    attach_loader,
+    load_request,
+    save_request,
+    use_cuda_coder,
+)
 from support.fakes import make_worker as build_worker  # noqa: E402
 
 from turbowire.codec import ChecksumError  # noqa: E402
@@ -31,13 +39,10 @@ from turbowire.connector.coder import cuda as cuda_coder  # noqa: E402
 from turbowire.connector.coder.cuda_graphs import DecodeGraphs  # noqa: E402
 from turbowire.connector.coder.cuda_load import PendingGroup  # noqa: E402
 from turbowire.connector.config import TurboWireConfig  # noqa: E402
-from turbowire.connector.geometry import block_tag  # noqa: E402
 from turbowire.connector.metadata import (  # noqa: E402
     LoadBlock,
     LoadRequest,
     PeerAddress,
-    SaveBlock,
-    SaveRequest,
     TurboWireConnectorMetadata,
 )
 from turbowire.connector.stats import iter_counters  # noqa: E402
@@ -85,14 +90,10 @@ def register(w, caches, gpu: bool, mode: str = "layer", monkeypatch=None):
 
 
 def save_meta() -> TurboWireConnectorMetadata:
-    saves = []
-    for rid, blocks, ntok, first in (("a", [3, 7, 1], 37, 0), ("b", [9, 2, 12, 5], 62, 2)):
-        bl = []
-        for i in range(first, len(blocks)):
-            tokens = min(BS, ntok - i * BS)
-            bl.append(SaveBlock(i, blocks[i], tokens, len(saves) * 4 + i, block_tag(rid, i)))
-        saves.append(SaveRequest(rid, blocks, bl))
-    return TurboWireConnectorMetadata(saves=saves)
+    """Request "a" (37 tokens), and "b" (62 tokens) whose first 2 blocks are prefix-cache hits."""
+    return TurboWireConnectorMetadata(saves=[
+        save_request("a", [3, 7, 1], 37, BS, slot0=0),
+        save_request("b", [9, 2, 12, 5], 62, BS, slot0=4, first=2)])
 
 
 def sent(w) -> dict:
@@ -123,9 +124,7 @@ def test_gpu_path_stages_and_loads_what_the_layer_path_does(monkeypatch, preset,
     # ---- decode request "b" into other blocks, in two groups, as the loader hands them over
     save = meta.saves[1]
     dst_ids = [4, 11, 6, 0]
-    load = LoadRequest("d", "b", PeerAddress("p", "h", 1, 1),
-                       [LoadBlock(b.index, dst_ids[b.index], b.num_tokens, b.slot, b.tag)
-                        for b in save.blocks], preset, dst_ids)
+    load = load_request("d", save, dst_ids, preset, PeerAddress("p", "h", 1, 1))
     n_l = len(LAYERS)
     sizes = np.array([[w.chunk_nbytes(layer, b.num_tokens, b.index) for b in load.blocks]
                       for layer in range(n_l)], dtype=np.int64)
@@ -239,20 +238,6 @@ def test_the_groups_landed_in_one_pass_get_one_captured_launch():
     assert pick(SimpleNamespace(graphs={}), range(0, 4)) == []
 
 
-class _Inline:
-    def submit(self, fn, *args, **kwargs):
-        from concurrent.futures import Future
-
-        f: Future = Future()
-        f.set_result(fn(*args, **kwargs))
-        return f
-
-
-def _landed_wire():
-    """READs whose bytes are there when they are posted (the test puts them in place)."""
-    return FakeTransport(agent_name="fake-agent", auto_land=True)
-
-
 def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkeypatch):
     """Through the worker's loader and the GPU path: one corrupt chunk (block 0 of layer 1) in a
     group of several chunks (layers 0-1 x 2 blocks). The load fails as a whole (reason
@@ -271,22 +256,10 @@ def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkey
     w.wait_for_save(meta)
     save = meta.saves[1]  # request "b": blocks 2 and 3 of its table
     dst_ids = [4, 11, 6, 0]
-    load = LoadRequest("d", "b", PeerAddress("p", "h", 1, 1),
-                       [LoadBlock(b.index, dst_ids[b.index], b.num_tokens, b.slot, b.tag)
-                        for b in save.blocks], "tq4", dst_ids)
-    staging = SimpleNamespace(agent_metadata=b"", base_addr=0, slot_bytes=w.layout.slot_bytes,
-                              num_slots=w.layout.num_slots,
-                              layer_offsets=tuple(w.layout.layer_offsets), device_id=0,
-                              mem_type=w.loader.mem_type)
-    reply = SimpleNamespace(unknown=[], refused=[])
-    client = SimpleNamespace(
-        handshake=lambda record, engine_id, tp_rank: SimpleNamespace(
-            engine_id="p", staging=staging, lease_seconds=30.0),
-        heartbeat=lambda ids, engine_id="", **kw: reply,
-        release=lambda ids, engine_id="", tp_rank=0, **kw: reply)
-    w.loader._clients = SimpleNamespace(get=lambda host, port: client)
-    w.loader._executor = _Inline()
-    w.loader._transport = _landed_wire()
+    load = load_request("d", save, dst_ids, "tq4", PeerAddress("p", "h", 1, 1))
+    # READs whose bytes are there when they are posted (prepare below puts them in place)
+    attach_loader(w, FakeClient(w.layout, None, engine_id="p", mem_type=w.mem_type),
+                  FakeTransport(auto_land=True))
     bad = (0, 1)  # (block position, layer)
     seen = {}
     real_prepare = w.loader.prepare
@@ -343,35 +316,6 @@ def test_a_corrupt_chunk_fails_the_load_and_is_the_only_chunk_not_written(monkey
 
 
 # ---- the loader with GPU decodes (handles that settle later): connector/loader.py
-class _Read:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes, self.landed, self.released = nbytes, False, False
-
-    def state(self):
-        from turbowire.connector.transports.base import TransferState
-
-        return TransferState.DONE if self.landed else TransferState.PENDING
-
-    def release(self) -> None:
-        self.released = True
-
-
-class _Wire:
-    name, agent_name = "fake", "decode-agent"
-
-    def __init__(self) -> None:
-        self.reads: list[_Read] = []
-        self.auto_land = False  # READs posted from now on land at once
-
-    def add_peer(self, metadata: bytes) -> str:
-        return "prefill-agent"
-
-    def read(self, peer, local, remote, mem_type, notif=b""):
-        self.reads.append(_Read(int(local[:, 1].sum())))
-        self.reads[-1].landed = self.auto_land
-        return self.reads[-1]
-
-
 class _Pending:
     """A GPU decode handle: runs when ``ran`` is set (or when waited for)."""
 
@@ -393,13 +337,9 @@ class _Pending:
 
 
 def _loader(refuse_layer: int | None = None):
-    from concurrent.futures import Future
-
     from turbowire.codec import Codec
     from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
     from turbowire.connector.loader import KVLoader, LocalEnd
-    from turbowire.connector.sidechannel.client import PeerInfo
-    from turbowire.connector.sidechannel.convert import StagingInfo
     from turbowire.connector.staging import ByteRanges
     from turbowire.connector.stats import TurboWireConnectorStats
 
@@ -410,21 +350,7 @@ def _loader(refuse_layer: int | None = None):
                      "bfloat16")
     codec = Codec("raw", DIM, n_layers)
     layout = StagingLayout.build(geo, codec.encoded_nbytes, 1 << 20)
-    staging = StagingInfo("prefill-agent", b"md", 1 << 20, layout.slot_bytes, layout.num_slots,
-                          tuple(layout.layer_offsets), 0, "DRAM")
-    client = SimpleNamespace(
-        handshake=lambda record, engine_id, tp_rank: PeerInfo("p", None, staging),
-        heartbeat=lambda ids, engine_id="", lease_tokens=None: SimpleNamespace(unknown=[],
-                                                                               refused=[]),
-        release=lambda ids, engine_id="", tp_rank=0, lease_tokens=None: SimpleNamespace(
-            unknown=[], refused=[]))
-
-    class Inline:
-        def submit(self, fn, *args, **kwargs):
-            f: Future = Future()
-            f.set_result(fn(*args, **kwargs))
-            return f
-
+    client = FakeClient(layout, None, engine_id="p")
     log: list = []
     handles: list[_Pending] = []
 
@@ -436,12 +362,12 @@ def _loader(refuse_layer: int | None = None):
     def prepare(load, recv_offset, chunk_offsets):
         log.append(("prepare", len(chunk_offsets)))
 
-    wire = _Wire()
+    wire = FakeTransport()
     local = LocalEnd("d", 0, None, "DRAM", 1 << 30, 0, 64, 2 * HEADS * DIM * 2 * n_layers)
     loader = KVLoader(config, geo, layout,
                       lambda layer, t, i: codec.encoded_nbytes(layer, t, HEADS, i * BS), local,
                       wire, SimpleNamespace(get=lambda host, port: client), ByteRanges(1 << 20),
-                      decode, Inline(), TurboWireConnectorStats(), prepare=prepare)
+                      decode, InlineExecutor(), TurboWireConnectorStats(), prepare=prepare)
     load = LoadRequest("r", "remote-r", PeerAddress("p", "h", 1, 1),
                        [LoadBlock(i, 3 + i, BS, i, 9 + i) for i in range(3)], "raw", [3, 4, 5])
     return loader, wire, load, log, handles
@@ -452,12 +378,11 @@ def test_the_loader_finishes_a_load_only_once_its_gpu_decodes_ran():
     loader.start([load])  # the handshake goes out
     assert loader.results() == (set(), set())  # the READs go out
     assert len(wire.reads) == 2 and log == [("prepare", 4 * 3)]  # the plan, while they move
-    wire.reads[0].landed = True
+    wire.land(0, 1)
     assert loader.results() == (set(), set())  # group 0 handed over, its decode not run yet
     assert [e for e in log if e[0] == "decode"] == [("decode", (0,))]
     handles[0].ran = True
-    for x in wire.reads:
-        x.landed = True
+    wire.land()
     wire.auto_land = True
     wire_posted = len(wire.reads)
     finished, failed = loader.results()
@@ -473,8 +398,7 @@ def test_a_refused_gpu_decode_fails_the_load_and_abandons_the_rest():
     loader, wire, load, log, handles = _loader(refuse_layer=1)
     loader.start([load])
     for _ in range(3):
-        for x in wire.reads:
-            x.landed = True
+        wire.land()
         finished, failed = loader.results()
         if failed:
             break
@@ -505,9 +429,17 @@ def test_save_schedule_after_forward_encodes_nothing_per_layer_and_everything_at
     ref.wait_for_save(meta)
     w.staging.fill_(0x5A)
     before = w.staging.clone()
+    per_layer: list[int] = []  # the layers save_kv_layer handed to the coder
+    save_layer = w.coder.save_layer
+
+    def spy(layer, m):
+        per_layer.append(layer)
+        return save_layer(layer, m)
+
+    monkeypatch.setattr(w.coder, "save_layer", spy)
     for name in LAYERS:
         w.save_kv_layer(name, src[name], meta)
-    assert torch.equal(w.staging, before) and not w._saved_layers
+    assert torch.equal(w.staging, before) and not per_layer
     if gpu:
         assert w.coder._step is None and w.coder._noted is None
     w.wait_for_save(meta)
