@@ -188,7 +188,7 @@ def markdown(rows: list[PresetRow], sources: dict[str, str]) -> str:
     lines += ["", "Columns: b/e = bits per element at hd128, 8 KV heads, 256-token chunks, every "
               "wire byte counted; KL and top-1 at the longest prompt of the quality run; acc/exact "
               "= retrieval accuracy (%) of the preset / of the exact KV at the longest prompt of "
-              "the retrieval run; NLL× = answer-token NLL over the exact KV's; GB/s = dense bf16 "
-              "bytes per second (H200: TB/s), encode/decode (H200: Llama-3.1-8B 4k slice; CPU: one core, "
-              "hd128). Sources: " + "; ".join(f"{k} `{v}`" for k, v in sources.items()) + "."]
+              "the retrieval run; NLL× = answer-token NLL over the exact KV's; dense bf16 bytes "
+              "per second, encode/decode (H200 in TB/s: Llama-3.1-8B 4k slice; CPU in GB/s: one "
+              "core, hd128). Sources: " + "; ".join(f"{k} `{v}`" for k, v in sources.items()) + "."]
     return "\n".join(lines) + "\n"
