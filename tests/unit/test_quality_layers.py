@@ -12,7 +12,7 @@ from turbowire.quality.layers import (
     advise,
     plot,
     policy_lines,
-    rich_table,
+    rich_tables,
 )
 
 N = 30
@@ -54,20 +54,34 @@ def test_hot_middle_layers_are_reported_outside_the_boundary() -> None:
     assert a.boundary_layers == 0
     assert a.outside == [18, 20]
     assert [i for i, _ in a.top[:2]] == [18, 20]
-    assert "layers 18, 20; only a per-layer policy" in policy_lines(s)[-1]
+    assert "layers 18 (2/2), 20 (2/2); only a per-layer policy" in policy_lines(s)[-1]
 
 
-def test_table_fits_80_columns_with_every_preset(tmp_path) -> None:
+def test_tables_fit_80_columns_with_ten_presets(tmp_path) -> None:
     from rich.console import Console
 
-    presets = ["k8v4", "tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4"]
+    presets = ["k8v4", "tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4", "k16v4", "k16v3", "k8v8"]
     kls = [1e-3 * (1 + i % 7) for i in range(N)]
     kls[0] = 0.5  # a wide value
     s = sweep({p: kls for p in presets})
     out = io.StringIO()
-    Console(file=out, width=200).print(rich_table(s))
+    for table in rich_tables(s):
+        Console(file=out, width=200).print(table)
     lines = out.getvalue().splitlines()
     assert max(len(line) for line in lines) <= 80
-    assert sum(1 for line in lines if line.startswith("│ 0*")) == 1  # the boundary mark
+    assert sum(1 for line in lines if line.startswith("│ 0*")) == 2  # the mark, in both tables
+    assert "k8v8" in out.getvalue()
     plot(s, tmp_path / "l.png")
     assert (tmp_path / "l.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_saved_sweep_gives_the_same_policy() -> None:
+    import json
+
+    kls = [1e-3] * N
+    kls[23], kls[0] = 9e-3, 8e-3
+    s = sweep({"tq4": kls, "tq3": [2 * x for x in kls]})
+    again = LayerSweep.from_json(json.loads(json.dumps(s.to_json())))
+    assert again.kl == s.kl and again.layers == s.layers
+    assert policy_lines(again) == policy_lines(s)
+    assert "layers 23 (2/2)" in policy_lines(s)[-1]

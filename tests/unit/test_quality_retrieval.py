@@ -302,3 +302,26 @@ def test_a_text_file_can_be_the_haystack(tmp_path) -> None:
     assert RetrievalConfig(haystacks=(str(path), "filler")).haystacks[0] == str(path)
     with pytest.raises(ValueError):
         RetrievalConfig(haystacks=(str(tmp_path / "missing.txt"),))
+
+
+def test_a_saved_run_renders_again_without_the_model(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from turbowire.cli import app
+    from turbowire.quality.retrieval_report import markdown
+
+    run = synthetic_run(cases=1)
+    saved = tmp_path / "r.json"
+    saved.write_text(json.dumps({"command": "turbowire eval --task retrieval", **run.to_json()}))
+    again = RetrievalRun.from_json(json.loads(saved.read_text()))
+    assert again.results == run.results
+    md = tmp_path / "r.md"
+    res = CliRunner().invoke(app, ["eval", "--task", "retrieval", "--from-json", str(saved),
+                                   "--markdown", str(md)])
+    assert res.exit_code == 0, res.output
+    assert md.read_text() == markdown(run, "turbowire eval --task retrieval")
+    res = CliRunner().invoke(app, ["eval", "--task", "layers", "--from-json", str(saved)])
+    assert res.exit_code != 0
+    assert "not a saved --task layers run" in re.sub(r"[│╭╮╰╯─\s]+", " ", res.output)

@@ -81,6 +81,10 @@ def register(app: typer.Typer) -> None:
                  "depth, NLL ratio; layers: KL per layer)."),
         json_out: Path | None = typer.Option(
             None, "--json", help="Write every measurement as JSON here."),
+        from_json: Path | None = typer.Option(
+            None, "--from-json",
+            help="Do not run: print and write the tables, Markdown and plot of a run saved "
+                 "with --json (the task must match)."),
         threads: int = typer.Option(
             2, "--threads", min=1,
             help="torch CPU threads (on a machine shared with other work, 1 is often faster)."),
@@ -115,7 +119,9 @@ def register(app: typer.Typer) -> None:
 
           turbowire eval --task retrieval --lengths 512 --depths 50 --needles passkey --presets tq4
 
-          turbowire eval --task layers --presets tq4,tq3,tq2 --plot layers.png   # ~3 min
+          turbowire eval --task layers --presets tq4,tq3,tq2 --plot layers.png   # minutes
+
+          turbowire eval --task retrieval --from-json r.json --markdown r.md   # re-render
         """
         from rich.console import Console
 
@@ -131,8 +137,16 @@ def register(app: typer.Typer) -> None:
         plens = _ints(lengths or DEFAULT_LENGTHS[task])
         command = shlex.join(["turbowire", "eval", *sys.argv[sys.argv.index("eval") + 1:]]
                              if "eval" in sys.argv else ["turbowire", "eval"])
+        saved = None
+        if from_json:
+            saved = json.loads(from_json.read_text())
+            command = saved.get("command") or command
+            if ("kl" in saved) != (task == "layers") or (
+                    "config" in saved and "depths" in saved["config"]) != (task == "retrieval"):
+                raise typer.BadParameter(f"{from_json} is not a saved --task {task} run")
         args = dict(console=console, names=names, plens=plens, model=model, threads=threads,
-                    markdown=markdown, plot=plot, json_out=json_out, command=command)
+                    markdown=markdown, plot=plot, json_out=json_out, command=command,
+                    saved=saved)
         if task == "quality":
             _quality(windows=windows or DEFAULT_WINDOWS["quality"], continuation=continuation,
                      baselines=baselines, **args)
@@ -182,32 +196,35 @@ def _write(console, path: Path | None, text: str) -> None:
 
 
 def _quality(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-             windows, continuation, baselines) -> None:
+             saved, windows, continuation, baselines) -> None:
     from dataclasses import asdict
 
-    from turbowire.quality.harness import EvalConfig, evaluate
+    from turbowire.quality.harness import EvalConfig, MethodResult, evaluate
     from turbowire.quality.methods import baseline_methods
     from turbowire.quality.report import markdown as to_markdown
     from turbowire.quality.report import plot as to_plot
     from turbowire.quality.report import rich_tables
     from turbowire.quality.targets import check_targets
 
-    try:
-        config = EvalConfig(prompt_lengths=plens, windows=windows, continuation=continuation,
-                            threads=threads)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    mut = _load(console, model)
-    methods = _codec_methods(names, mut)
-    if baselines:
-        methods += baseline_methods(mut.num_layers)
-    console.print(f"model {mut.name}: {mut.num_layers} layers, {mut.num_kv_heads} KV heads, "
-                  f"head_dim {mut.head_dim}; {len(methods)} methods")
-    with _progress(console) as progress:
-        task = progress.add_task("windows", total=len(config.prompt_lengths) * config.windows)
-        results = evaluate(methods, config, mut,
-                           progress=lambda label, done, total: progress.update(
-                               task, completed=done, description=label))
+    if saved is not None:
+        results = [MethodResult(**r) for r in saved["results"]]
+    else:
+        try:
+            config = EvalConfig(prompt_lengths=plens, windows=windows,
+                                continuation=continuation, threads=threads)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        mut = _load(console, model)
+        methods = _codec_methods(names, mut)
+        if baselines:
+            methods += baseline_methods(mut.num_layers)
+        console.print(f"model {mut.name}: {mut.num_layers} layers, {mut.num_kv_heads} KV heads, "
+                      f"head_dim {mut.head_dim}; {len(methods)} methods")
+        with _progress(console) as progress:
+            task = progress.add_task("windows", total=len(config.prompt_lengths) * config.windows)
+            results = evaluate(methods, config, mut,
+                               progress=lambda label, done, total: progress.update(
+                                   task, completed=done, description=label))
     for table in rich_tables(results):
         console.print(table)
     for check in check_targets(results):
@@ -225,9 +242,9 @@ def _quality(*, console, names, plens, model, threads, markdown, plot, json_out,
 
 
 def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-               depths, cases, needles, haystacks, keys, seed, baselines) -> None:
+               saved, depths, cases, needles, haystacks, keys, seed, baselines) -> None:
     from turbowire.quality.methods import anchor_methods
-    from turbowire.quality.retrieval import RetrievalConfig, evaluate_retrieval
+    from turbowire.quality.retrieval import RetrievalConfig, RetrievalRun, evaluate_retrieval
     from turbowire.quality.retrieval_report import (
         CAPTION,
         NLL_TARGET_BITS,
@@ -238,23 +255,27 @@ def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_ou
     from turbowire.quality.retrieval_report import markdown as to_markdown
     from turbowire.quality.retrieval_report import plot as to_plot
 
-    try:
-        config = RetrievalConfig(lengths=plens, depths=depths, cases=cases, tasks=needles,
-                                 haystacks=haystacks, keys=keys, seed=seed, threads=threads)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    mut = _load(console, model)
-    methods = _codec_methods(names, mut)
-    if baselines:
-        methods += anchor_methods(mut.num_layers)
-    grid = config.grid()
-    console.print(f"model {mut.name}: {mut.num_layers} layers, {mut.max_positions} positions; "
-                  f"{len(grid)} prompts x {len(methods) + 1} methods (exact KV included)")
-    with _progress(console) as progress:
-        bar = progress.add_task("cases", total=1)
-        run = evaluate_retrieval(methods, config, mut,
-                                 progress=lambda label, done, total: progress.update(
-                                     bar, completed=done, total=total, description=label))
+    if saved is not None:
+        run = RetrievalRun.from_json(saved)
+    else:
+        try:
+            config = RetrievalConfig(lengths=plens, depths=depths, cases=cases, tasks=needles,
+                                     haystacks=haystacks, keys=keys, seed=seed, threads=threads)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        mut = _load(console, model)
+        methods = _codec_methods(names, mut)
+        if baselines:
+            methods += anchor_methods(mut.num_layers)
+        grid = config.grid()
+        console.print(f"model {mut.name}: {mut.num_layers} layers, {mut.max_positions} "
+                      f"positions; {len(grid)} prompts x {len(methods) + 1} methods (exact KV "
+                      "included)")
+        with _progress(console) as progress:
+            bar = progress.add_task("cases", total=1)
+            run = evaluate_retrieval(methods, config, mut,
+                                     progress=lambda label, done, total: progress.update(
+                                         bar, completed=done, total=total, description=label))
     for table in rich_tables(run):
         console.print(table)
     console.print(CAPTION, style="dim")
@@ -272,31 +293,36 @@ def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_ou
 
 
 def _layers(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-            windows, continuation) -> None:
+            saved, windows, continuation) -> None:
     from turbowire.quality.layers import (
         LayersConfig,
+        LayerSweep,
         evaluate_layers,
         policy_lines,
-        rich_table,
+        rich_tables,
     )
     from turbowire.quality.layers import markdown as to_markdown
     from turbowire.quality.layers import plot as to_plot
 
-    try:
-        config = LayersConfig(prompt_len=plens[0], windows=windows, continuation=continuation,
-                              threads=threads)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    mut = _load(console, model)
-    methods = _codec_methods(names, mut)
-    console.print(f"model {mut.name}: {mut.num_layers} layers; {len(methods)} presets x "
-                  f"{mut.num_layers} layers x {windows} windows")
-    with _progress(console) as progress:
-        bar = progress.add_task("layers", total=1)
-        sweep = evaluate_layers(methods, config, mut,
-                                progress=lambda label, done, total: progress.update(
-                                    bar, completed=done, total=total, description=label))
-    console.print(rich_table(sweep))
+    if saved is not None:
+        sweep = LayerSweep.from_json(saved)
+    else:
+        try:
+            config = LayersConfig(prompt_len=plens[0], windows=windows,
+                                  continuation=continuation, threads=threads)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        mut = _load(console, model)
+        methods = _codec_methods(names, mut)
+        console.print(f"model {mut.name}: {mut.num_layers} layers; {len(methods)} presets x "
+                      f"{mut.num_layers} layers x {windows} windows")
+        with _progress(console) as progress:
+            bar = progress.add_task("layers", total=1)
+            sweep = evaluate_layers(methods, config, mut,
+                                    progress=lambda label, done, total: progress.update(
+                                        bar, completed=done, total=total, description=label))
+    for table in rich_tables(sweep):
+        console.print(table)
     for line in policy_lines(sweep):
         console.print(line)
     _write(console, markdown, to_markdown(sweep, command) if markdown else "")

@@ -12,6 +12,7 @@ cover are listed apart: a first/last-b policy cannot reach them.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -64,6 +65,16 @@ class LayerSweep:
     def to_json(self) -> dict:
         return {"model": self.model, "num_layers": self.num_layers, "config": asdict(self.config),
                 "layers": self.layers, "kl": self.kl, "all_layers": self.all_layers}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LayerSweep":
+        """The sweep :meth:`to_json` wrote (JSON turns the layer keys into strings)."""
+        return cls(
+            model=data["model"], num_layers=int(data["num_layers"]),
+            config=LayersConfig(**data["config"]), layers=[int(i) for i in data["layers"]],
+            kl={p: {int(i): list(v) for i, v in per.items()} for p, per in data["kl"].items()},
+            all_layers={p: list(v) for p, v in data["all_layers"].items()},
+        )
 
 
 @torch.inference_mode()
@@ -170,7 +181,9 @@ def policy_lines(sweep: LayerSweep) -> list[str]:
         lines.append(text)
     if advice:
         b = max(a.boundary_layers for a in advice)
-        common = sorted(set.intersection(*(set(a.outside) for a in advice)))
+        votes = Counter(i for a in advice for i in a.outside)
+        common = sorted((i for i, c in votes.items() if 2 * c >= len(advice)),
+                        key=lambda i: (-votes[i], i))
         if b == 0:
             lines.append(
                 "policy: no boundary pair carries twice its even share for any preset: keep "
@@ -183,18 +196,24 @@ def policy_lines(sweep: LayerSweep) -> list[str]:
                 "higher-precision Preset.boundary (e.g. the next preset up) where the bytes allow; "
                 f"it costs 2x{b}/{n} of the layers at the boundary's bits")
         if common:
+            listed = ", ".join(f"{i} ({votes[i]}/{len(advice)})" for i in common)
             lines.append(
-                f"hot for every preset and outside any boundary: layers "
-                f"{', '.join(map(str, common))}; only a per-layer policy (not first/last "
-                "boundary_layers) would reach them")
+                f"sensitive for at least half the presets and outside any boundary: layers "
+                f"{listed}; only a per-layer policy (not first/last boundary_layers) would "
+                "reach them")
     return lines
 
 
 # ---- report -----------------------------------------------------------------------------------
-def table_rows(sweep: LayerSweep) -> tuple[list[str], list[list[str]]]:
+#: presets per console table (80 columns)
+TABLE_PRESETS = 7
+
+
+def table_rows(sweep: LayerSweep, presets: Sequence[str] | None = None
+               ) -> tuple[list[str], list[list[str]]]:
     """Rows of KL x 1e3 per layer and preset; layers of the suggested boundary marked ``*``."""
-    presets = list(sweep.kl)
-    b = max((advise(sweep, p).boundary_layers for p in presets), default=0)
+    presets = list(presets or sweep.kl)
+    b = max((advise(sweep, p).boundary_layers for p in sweep.kl), default=0)
     n = sweep.num_layers
     headers = ["layer"] + presets
     rows = []
@@ -213,16 +232,21 @@ def title(sweep: LayerSweep) -> str:
             f"{c.continuation} tokens); sum: of the rows; all: every layer compressed")
 
 
-def rich_table(sweep: LayerSweep):
+def rich_tables(sweep: LayerSweep) -> list:
+    """The table in 80 columns: at most ``TABLE_PRESETS`` presets per table."""
     from rich.table import Table
 
-    headers, rows = table_rows(sweep)
-    table = Table(title=title(sweep), title_justify="left")
-    for h in headers:
-        table.add_column(h, justify="left" if h == "layer" else "right")
-    for row in rows:
-        table.add_row(*row, style="bold" if row[0] in ("sum", "all") else None)
-    return table
+    names = list(sweep.kl)
+    tables = []
+    for start in range(0, len(names), TABLE_PRESETS):
+        headers, rows = table_rows(sweep, names[start : start + TABLE_PRESETS])
+        table = Table(title=title(sweep) if start == 0 else None, title_justify="left")
+        for h in headers:
+            table.add_column(h, justify="left" if h == "layer" else "right")
+        for row in rows:
+            table.add_row(*row, style="bold" if row[0] in ("sum", "all") else None)
+        tables.append(table)
+    return tables
 
 
 def markdown(sweep: LayerSweep, command: str | None = None) -> str:

@@ -203,6 +203,14 @@ class RetrievalRun:
         return {"model": self.model, "config": asdict(self.config),
                 "results": [asdict(r) for r in self.results]}
 
+    @classmethod
+    def from_json(cls, data: dict) -> "RetrievalRun":
+        """The run :meth:`to_json` wrote (no checks of its config: a haystack file named there
+        need not exist any more)."""
+        config = object.__new__(RetrievalConfig)
+        config.__dict__.update(data["config"])
+        return cls(data["model"], config, [CaseResult(**r) for r in data["results"]])
+
 
 @dataclass
 class AnswerPass:
