@@ -85,6 +85,11 @@ def register(app: typer.Typer) -> None:
             None, "--from-json",
             help="Do not run: print and write the tables, Markdown and plot of a run saved "
                  "with --json (the task must match)."),
+        protect: str = typer.Option(
+            "", "--protect",
+            help="Also run each preset with protected tokens, simulated: SINK:RECENT pairs "
+                 "(comma-separated) of prompt tokens kept exact at the start and the end, their "
+                 "bf16 bytes counted in place of the preset's share."),
         threads: int = typer.Option(
             2, "--threads", min=1,
             help="torch CPU threads (on a machine shared with other work, 1 is often faster)."),
@@ -121,6 +126,8 @@ def register(app: typer.Typer) -> None:
 
           turbowire eval --task layers --presets tq4,tq3,tq2 --plot layers.png   # minutes
 
+          turbowire eval --presets tq3,tq2 --protect 4:64,0:128   # what exact tokens buy
+
           turbowire eval --task retrieval --from-json r.json --markdown r.md   # re-render
         """
         from rich.console import Console
@@ -144,9 +151,15 @@ def register(app: typer.Typer) -> None:
             if ("kl" in saved) != (task == "layers") or (
                     "config" in saved and "depths" in saved["config"]) != (task == "retrieval"):
                 raise typer.BadParameter(f"{from_json} is not a saved --task {task} run")
+        from turbowire.quality.methods import parse_protect
+
+        try:
+            pairs = parse_protect(protect)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
         args = dict(console=console, names=names, plens=plens, model=model, threads=threads,
                     markdown=markdown, plot=plot, json_out=json_out, command=command,
-                    saved=saved)
+                    saved=saved, protect=pairs)
         if task == "quality":
             _quality(windows=windows or DEFAULT_WINDOWS["quality"], continuation=continuation,
                      baselines=baselines, **args)
@@ -183,10 +196,11 @@ def _load(console, model: str):
     return mut
 
 
-def _codec_methods(names, mut):
-    from turbowire.quality.methods import CodecMethod
+def _codec_methods(names, mut, protect):
+    from turbowire.quality.methods import CodecMethod, ProtectedMethod
 
-    return [CodecMethod(n, mut.head_dim, mut.num_layers) for n in names]
+    methods = [CodecMethod(n, mut.head_dim, mut.num_layers) for n in names]
+    return methods + [ProtectedMethod(m, sink, recent) for m in methods for sink, recent in protect]
 
 
 def _write(console, path: Path | None, text: str) -> None:
@@ -196,7 +210,7 @@ def _write(console, path: Path | None, text: str) -> None:
 
 
 def _quality(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-             saved, windows, continuation, baselines) -> None:
+             saved, protect, windows, continuation, baselines) -> None:
     from dataclasses import asdict
 
     from turbowire.quality.harness import EvalConfig, MethodResult, evaluate
@@ -215,7 +229,7 @@ def _quality(*, console, names, plens, model, threads, markdown, plot, json_out,
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         mut = _load(console, model)
-        methods = _codec_methods(names, mut)
+        methods = _codec_methods(names, mut, protect)
         if baselines:
             methods += baseline_methods(mut.num_layers)
         console.print(f"model {mut.name}: {mut.num_layers} layers, {mut.num_kv_heads} KV heads, "
@@ -242,7 +256,7 @@ def _quality(*, console, names, plens, model, threads, markdown, plot, json_out,
 
 
 def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-               saved, depths, cases, needles, haystacks, keys, seed, baselines) -> None:
+               saved, protect, depths, cases, needles, haystacks, keys, seed, baselines) -> None:
     from turbowire.quality.methods import anchor_methods
     from turbowire.quality.retrieval import RetrievalConfig, RetrievalRun, evaluate_retrieval
     from turbowire.quality.retrieval_report import (
@@ -264,7 +278,7 @@ def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_ou
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         mut = _load(console, model)
-        methods = _codec_methods(names, mut)
+        methods = _codec_methods(names, mut, protect)
         if baselines:
             methods += anchor_methods(mut.num_layers)
         grid = config.grid()
@@ -293,7 +307,7 @@ def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_ou
 
 
 def _layers(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-            saved, windows, continuation) -> None:
+            saved, protect, windows, continuation) -> None:
     from turbowire.quality.layers import (
         LayersConfig,
         LayerSweep,
@@ -313,7 +327,7 @@ def _layers(*, console, names, plens, model, threads, markdown, plot, json_out, 
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         mut = _load(console, model)
-        methods = _codec_methods(names, mut)
+        methods = _codec_methods(names, mut, protect)
         console.print(f"model {mut.name}: {mut.num_layers} layers; {len(methods)} presets x "
                       f"{mut.num_layers} layers x {windows} windows")
         with _progress(console) as progress:

@@ -82,6 +82,54 @@ class CodecMethod:
         return flat[..., :dim].clone(), flat[..., dim:].clone(), int(sum(written))
 
 
+@dataclass
+class ProtectedMethod:
+    """A preset with the prompt's first ``sink`` and last ``recent`` tokens kept exact: what
+    protected tokens would buy, measured before they are a wire format. Bytes: the preset's real
+    bytes, less its average per-token share for the protected tokens, plus those tokens in bf16
+    (both streams)."""
+
+    inner: CodecMethod
+    sink: int
+    recent: int
+    family: str = "simulation"
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError("protected token counts must be >= 0")
+        self.name = f"{self.inner.name} +s{self.sink}r{self.recent} (sim)"
+
+    def protected(self, num_tokens: int) -> torch.Tensor:
+        """Indices of the exact tokens in a prompt of ``num_tokens``."""
+        keep = torch.zeros(num_tokens, dtype=torch.bool)
+        keep[:self.sink] = True
+        if self.recent:
+            keep[max(num_tokens - self.recent, 0):] = True
+        return keep.nonzero().flatten()
+
+    def apply(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        kq, vq, nbytes = self.inner.apply(layer, k, v)
+        idx = self.protected(k.shape[0])
+        kq[idx], vq[idx] = k[idx], v[idx]
+        n = idx.numel()
+        exact = n * (k[0].numel() + v[0].numel()) * k.element_size()
+        return kq, vq, round(nbytes - nbytes * n / k.shape[0]) + exact
+
+
+def parse_protect(text: str) -> list[tuple[int, int]]:
+    """``"4:64,0:128"`` -> [(4, 64), (0, 128)]: (sink, recent) pairs of ``--protect``."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        sink, sep, recent = part.partition(":")
+        if not sep or not sink.isdigit() or not recent.isdigit():
+            raise ValueError(f"--protect takes SINK:RECENT pairs of token counts, got {part!r}")
+        pairs.append((int(sink), int(recent)))
+    return pairs
+
+
 # ---- simulated formats ----------------------------------------------------------------------
 def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(torch.float32)
