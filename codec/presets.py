@@ -70,6 +70,13 @@ _PRESETS: list[Preset] = [
            LayerPolicy(lloyd_k(2), lloyd_v(2))),
     Preset("k5v4", 7, "5-bit keys, 4-bit values (near-lossless)",
            LayerPolicy(lloyd_k(5), lloyd_v(4))),
+    # safer asymmetric: keys, whose errors go through the softmax, cross untouched
+    Preset("k16v4", 8, "raw keys, 4-bit Lloyd-Max values",
+           LayerPolicy(RAW, lloyd_v(4))),
+    Preset("k16v3", 9, "raw keys, 3-bit Lloyd-Max values",
+           LayerPolicy(RAW, lloyd_v(3))),
+    Preset("k8v8", 10, "fp8 keys and values, per-vector scales (the 8-bit class)",
+           LayerPolicy(FP8, FP8)),
 ]
 _BY_NAME = {p.name: p for p in _PRESETS}
 _BY_ID = {p.preset_id: p for p in _PRESETS}

@@ -14,6 +14,7 @@ from turbowire.codec import (
     TruncatedPayloadError,
     UnknownPresetError,
     UnsupportedVersionError,
+    get_preset,
     list_presets,
     parse_header,
 )
@@ -22,7 +23,7 @@ from turbowire.codec.wire import HEADER_BYTES
 
 PRESETS = list_presets()
 LOSSY_BOUND = {"raw": 0.0, "k8v4": 0.02, "k5v4": 0.02, "tq4": 0.02, "k4v3": 0.06, "tq3": 0.06,
-               "k3v2": 0.2, "tq2": 0.2}
+               "k3v2": 0.2, "tq2": 0.2, "k16v4": 0.02, "k16v3": 0.06, "k8v8": 0.002}
 
 
 def kv(tokens: int, heads: int, dim: int, dtype=torch.bfloat16, seed: int = 0):
@@ -39,8 +40,16 @@ def rel_mse(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_list_presets_has_the_required_names() -> None:
-    for name in ["raw", "k8v4", "tq4", "k4v3", "tq3", "k3v2", "tq2"]:
+    for name in ["raw", "k8v4", "tq4", "k4v3", "tq3", "k3v2", "tq2", "k16v4", "k16v3", "k8v8"]:
         assert name in PRESETS
+
+
+def test_preset_ids_are_pinned() -> None:
+    """Ids are wire format: a chunk names its preset by id, so ids are only ever added."""
+    ids = {name: get_preset(name).preset_id for name in PRESETS}
+    assert ids == {"raw": 0, "k8v4": 1, "tq4": 2, "k4v3": 3, "tq3": 4, "k3v2": 5, "tq2": 6,
+                   "k5v4": 7, "k16v4": 8, "k16v3": 9, "k8v8": 10}
+    assert all(get_preset(i).name == n for n, i in ids.items())
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -59,6 +68,9 @@ def test_round_trip(preset: str, dim: int, tokens: int, offset: int) -> None:
         assert rel_mse(v2, v) <= LOSSY_BOUND[preset]
     if preset == "raw":
         assert torch.equal(k2, k) and torch.equal(v2, v)
+    if preset.startswith("k16"):  # raw keys: exact whatever the values get
+        assert torch.equal(k2, k)
+        assert tokens == 1 or not torch.equal(v2, v)  # one token at offset 0 is the exact sink
 
 
 @pytest.mark.parametrize("preset", ["tq4", "tq3"])
@@ -103,8 +115,11 @@ def test_bits_per_element_counts_metadata() -> None:
         assert 4.0 + 16 / dim < tq4 < 4.0 + 16 / dim + 0.1
     # ordering of the ladder
     bpe = {p: Codec(p, 128, 4).bits_per_element(1) for p in PRESETS}
-    assert (bpe["raw"] > bpe["k8v4"] > bpe["k5v4"] > bpe["tq4"] > bpe["k4v3"] > bpe["tq3"]
-            > bpe["k3v2"] > bpe["tq2"])
+    assert (bpe["raw"] > bpe["k16v4"] > bpe["k16v3"] > bpe["k8v8"] > bpe["k8v4"] > bpe["k5v4"]
+            > bpe["tq4"] > bpe["k4v3"] > bpe["tq3"] > bpe["k3v2"] > bpe["tq2"])
+    # raw keys cost 16 bits, the values their own bits plus a scale per vector
+    assert bpe["k16v4"] == pytest.approx((16 + 4 + 16 / 128) / 2, abs=0.01)
+    assert bpe["k8v8"] == pytest.approx(8 + 16 / 128, abs=0.01)
 
 
 # ---- refusal of bad input ------------------------------------------------------------------

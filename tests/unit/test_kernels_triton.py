@@ -123,6 +123,14 @@ CASES = {
                                   heads=1),
     "k5v4-raw-d64-lanes1": Case("k5v4", 64, "LBNHC", 16, torch.bfloat16, ((0, 18),),
                                 KernelConfig(num_warps=2, tile_rows=32, lanes=1, decode_lanes=1)),
+    # raw keys next to a Lloyd-Max value stream, and fp8 in both streams (k16v*, k8v8)
+    "k16v4-d128-LBNHC-bs16": Case("k16v4", 128, "LBNHC", 16, torch.bfloat16, ((0, 40), (40, 9)),
+                                  SMALL),
+    "k16v3-d64-LBHNC-lanes1-fp16": Case("k16v3", 64, "LBHNC", 32, torch.float16, ((3, 30),),
+                                        KernelConfig(num_warps=1, tile_rows=16, lanes=1,
+                                                     decode_lanes=1), heads=1),
+    "k8v8-d64-cpu-bs16": Case("k8v8", 64, "cpu_packed", 16, torch.bfloat16, ((0, 21), (21, 9)),
+                              SMALL),
     "raw-d128-lanes1": Case("raw", 128, "LBHNC", 16, torch.bfloat16, ((7, 20),),
                             KernelConfig(num_warps=1, tile_rows=16, lanes=1, decode_lanes=1),
                             heads=1),
@@ -204,7 +212,7 @@ def test_bytes_and_values_match_the_reference(name: str) -> None:
 # on short chunks here (decode_heads_from=1) over every stream kind, dtype and layout family
 BY_HEAD_CASES = ["raw-d64-LBNHC-bs16", "k8v4-d128-LBHNC-bs32-fp16", "tq4-d64-cpu-bs64-multitile",
                  "k3v2-d128-offset-lanes2", "tq4-d128-lanes1", "bits1-bits6-d64",
-                 "hi-eighths-d64-fp16"]
+                 "hi-eighths-d64-fp16", "k16v4-d128-LBNHC-bs16", "k8v8-d64-cpu-bs16"]
 
 
 @pytest.mark.parametrize("name", BY_HEAD_CASES)
