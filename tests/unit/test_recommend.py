@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from turbowire.cli import app
-from turbowire.quality.recommend import build, markdown, preset_bits
+from turbowire.quality.recommend import build, markdown, preset_bits, sign_test_p
 
 
 def _case(method: str, family: str, length: int, seed: int, correct: bool, nll: float) -> dict:
@@ -23,10 +23,13 @@ def _files(tmp: Path) -> dict[str, Path]:
         for seed in range(10):
             cases.append(_case("bf16 (reference)", "reference", length, seed, seed < 8, 0.1))
             cases.append(_case("tq4", "turbowire", length, seed, seed < 8, 0.11))  # = exact
-            # tq3 loses one case at 8k only (10 points), k4v3 wins one (never a loss)
+            # tq3 loses one case at 8k only (5 points over all), k4v3 wins one (never a loss)
             cases.append(_case("tq3", "turbowire", length, seed,
                                seed < (7 if length == 8192 else 8), 0.2))
             cases.append(_case("k4v3", "turbowire", length, seed, seed < 9, 0.1))
+            # k3v2: all 8 cases the exact KV retrieves at 1k lost, the 2 others won
+            cases.append(_case("k3v2", "turbowire", length, seed,
+                               seed >= 8 if length == 1024 else True, 0.3))
     quality = {"results": [dict(name="tq4", family="turbowire", prompt_len=2048,
                                 kl=[0.01, 0.03], top1=[0.9, 1.0], nll=[], wire_bytes=1,
                                 dense_elements=1)]}
@@ -43,7 +46,10 @@ def test_a_preset_is_recommended_only_where_it_keeps_the_exact_kvs_retrieval(tmp
     p = _files(tmp_path)
     rows = {r.preset: r for r in build(p["quality"], p["retrieval"], p["h200"], None)}
     assert rows["tq4"].recommended and rows["k4v3"].recommended
-    assert not rows["tq3"].recommended and "10 points at 8192" in rows["tq3"].verdict
+    assert not rows["tq3"].recommended and "75.0% vs 80.0% over every case" in rows["tq3"].verdict
+    assert rows["k3v2"].discordant == {1024: (8, 2), 8192: (0, 2)}
+    assert rows["k3v2"].pooled == (60.0, 80.0) and not rows["k3v2"].recommended
+    assert rows["k4v3"].discordant == {1024: (0, 1), 8192: (0, 1)}
     assert not rows["tq2"].recommended and "not measured" in rows["tq2"].verdict
     assert rows["tq4"].accuracy[8192] == rows["tq4"].exact_accuracy[8192] == 80.0
     assert abs(rows["tq4"].nll_ratio[8192] - 1.1) < 1e-9
@@ -67,3 +73,23 @@ def test_the_command_prints_a_table_that_fits_80_columns(tmp_path):
     none = CliRunner().invoke(app, ["recommend", "--retrieval", "a", "--quality", "b",
                                     "--h200", "c", "--cpu", "d"])
     assert none.exit_code != 0 and "no result file found" in none.output
+
+
+def test_the_sign_test_counts_the_one_sided_tail():
+    assert sign_test_p(0, 0) == 1.0 and sign_test_p(0, 3) == 1.0
+    assert sign_test_p(5, 0) == 1 / 32 and sign_test_p(1, 1) == 3 / 4
+    assert sign_test_p(8, 2) < 0.06 < sign_test_p(7, 3)
+
+
+def test_significant_losses_at_one_length_are_not_bought_back_at_another(tmp_path):
+    """Even over every case, but the five cases the exact KV retrieves at 1k all lost (p 1/32)."""
+    cases = []
+    for length in (1024, 8192):
+        for seed in range(10):
+            cases.append(_case("bf16 (reference)", "reference", length, seed, seed < 5, 0.1))
+            cases.append(_case("tq4", "turbowire", length, seed, length == 8192, 0.1))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"results": cases}))
+    row = {r.preset: r for r in build(None, path, None, None)}["tq4"]
+    assert row.pooled == (50.0, 50.0) and row.discordant == {1024: (5, 0), 8192: (0, 5)}
+    assert not row.recommended and "at 1024 tokens (5 cases lost, 0 won)" in row.verdict
