@@ -93,3 +93,19 @@ def test_significant_losses_at_one_length_are_not_bought_back_at_another(tmp_pat
     row = {r.preset: r for r in build(None, path, None, None)}["tq4"]
     assert row.pooled == (50.0, 50.0) and row.discordant == {1024: (5, 0), 8192: (0, 5)}
     assert not row.recommended and "at 1024 tokens (5 cases lost, 0 won)" in row.verdict
+
+
+def test_readmes_preset_guidance_is_what_recommend_prints_from_the_committed_results():
+    """README's table and verdicts are `turbowire recommend --markdown` of bench/results: a new
+    measurement that changes a verdict must change README with it."""
+    from turbowire.commands.recommend import DEFAULTS
+
+    root = Path(__file__).resolve().parents[2]
+    paths = {k: root / v for k, v in DEFAULTS.items()}
+    rows = build(paths["quality"], paths["retrieval"], paths["h200"], paths["cpu"])
+    want = markdown(rows, {k: str(v) for k, v in DEFAULTS.items() if (root / v).exists()})
+    readme = (root / "README.md").read_text()
+    begin, end = "<!-- recommend:begin -->\n", "<!-- recommend:end -->"
+    assert begin in readme and end in readme
+    assert readme.split(begin, 1)[1].split(end, 1)[0] == want
+    assert any(r.recommended for r in rows)  # the committed results recommend something

@@ -59,7 +59,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"[yellow]not found, its columns stay empty:[/] {m}")
         rows = build(quality, retrieval, h200, cpu)
         table = Table(title="turbowire presets, as measured", title_justify="left",
-                      box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+                      box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
+                      padding=(0, 1), collapse_padding=True)
         cells = table_rows(rows)
         for i, h in enumerate(HEAD):  # each column as wide as its widest cell: nothing cut
             table.add_column(h, justify="left" if i == 0 else "right", no_wrap=True,

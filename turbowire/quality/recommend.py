@@ -195,7 +195,7 @@ def table_rows(rows: list[PresetRow]) -> list[list[str]]:
             r.preset, f"{r.bits:.2f}", f"{r.ratio:.2f}x",
             _fmt(r.kl.get(kl_len) if kl_len else None, ".4f"),
             _fmt(r.top1.get(kl_len) * 100 if kl_len else None, ".1f"),
-            (f"{r.accuracy[acc_len]:.0f}/{r.exact_accuracy[acc_len]:.0f}" if acc_len else "-"),
+            f"{r.pooled[0]:.0f}/{r.pooled[1]:.0f}" if r.pooled else "-",
             _fmt(r.nll_ratio.get(acc_len) if acc_len else None, ".2f"),
             "/".join(f"{x / 1e3:.2f}" for x in r.h200_gbs) if r.h200_gbs else "-",
             "/".join(f"{x:.2f}" for x in r.cpu_gbs) if r.cpu_gbs else "-",
@@ -218,8 +218,9 @@ def markdown(rows: list[PresetRow], sources: dict[str, str]) -> str:
     lines += [f"- `{r.preset}`: {r.verdict}." for r in rows]
     lines += ["", "Columns: b/e = bits per element at hd128, 8 KV heads, 256-token chunks, every "
               "wire byte counted; KL and top-1 at the longest prompt of the quality run; acc/exact "
-              "= retrieval accuracy (%) of the preset / of the exact KV at the longest prompt of "
-              "the retrieval run; NLL× = answer-token NLL over the exact KV's; dense bf16 bytes "
+              "= retrieval accuracy (%) of the preset / of the exact KV over every case of the "
+              "retrieval run; NLL× = answer-token NLL over the exact KV's at its longest "
+              "prompt; dense bf16 bytes "
               "per second, encode/decode (H200 in TB/s: Llama-3.1-8B 4k slice; CPU in GB/s: one "
               "core, hd128). Sources: " + "; ".join(f"{k} `{v}`" for k, v in sources.items()) + "."]
     return "\n".join(lines) + "\n"
