@@ -26,7 +26,9 @@ synchronisation before a decode's ``check``; ``cuda_serves`` says where they app
 package only, never a module below it (tests/unit/test_kernels_imports.py checks it).
 
 Layouts: ``PagedKVLayout`` (``kernels/paged.py``) describes vLLM's paged caches (gather/scatter
-of the reference path). The CPU attention layouts module, ``kernels/cpu_attn_layout.py``
+of the reference path); ``NO_BLOCK`` marks a block-list entry the request does not hold (a
+sliding window's freed blocks), which every implementation skips and refuses to address.
+The CPU attention layouts module, ``kernels/cpu_attn_layout.py``
 (``CpuAttnKVLayout``, ``cpu_attn_layout``), learns where vLLM's CPU attention backend really
 keeps each token's K and V in a block (the ``vec`` / ``vec16`` / ``amx`` placements) by probing
 vLLM's own write op; the C codec serves its strided and tiled placements, the reference any
@@ -48,7 +50,7 @@ from turbowire.kernels.dispatch import (
 )
 from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES, KVScales, is_fp8_cache, resolve_scales
 from turbowire.kernels.items import DecodeItem, EncodeItem
-from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
+from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.triton_common import (
     BLOCK_ENCODE_REGISTERS,
     KernelConfig,
@@ -58,6 +60,7 @@ from turbowire.kernels.triton_common import (
 from turbowire.kernels.triton_plans import ChunkSet, DecodeLayersPlan, EncodeLayersPlan
 
 __all__ = [
+    "NO_BLOCK",
     "BLOCK_ENCODE_REGISTERS",
     "FP8_CACHE_DTYPES",
     "BlockIndexError",

@@ -6,6 +6,9 @@ A layer's cache as vLLM allocates it is presented as two logical views K and V o
 - GPU backends: [2, num_blocks, block_size, H, D] (LBNHC) or a permuted view of it whose memory is
   [2, num_blocks, H, block_size, D] (LBHNC); FlashInfer's [num_blocks, 2, block_size, H, D].
 Token t of a request lives in block ``block_ids[t // block_size]`` at slot ``t % block_size``.
+A block list may hold ``NO_BLOCK`` where the request holds no block (vLLM's null block for the
+tokens a sliding window left): such entries are never read or written, and a token range that
+falls in one is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from turbowire.errors import TurboWireError
 
 CacheKind = Literal["cpu_packed", "kv_first", "block_first"]
+NO_BLOCK = -1  # a block-list entry the request does not hold (never addressed)
 
 
 class BlockIndexError(TurboWireError, IndexError):
@@ -97,15 +101,20 @@ class PagedKVLayout:
                 f"tokens up to {last} need {last // self.block_size + 1} blocks, "
                 f"{ids.numel()} block ids given"
             )
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+        held = ids[ids != NO_BLOCK]
+        if held.numel() and (int(held.min()) < 0 or int(held.max()) >= self.num_blocks):
             raise BlockIndexError(
                 f"block ids must be in 0..{self.num_blocks - 1}, "
-                f"got {int(ids.min())}..{int(ids.max())}"
+                f"got {int(held.min())}..{int(held.max())}"
             )
-        if torch.unique(ids).numel() != ids.numel():
+        if torch.unique(held).numel() != held.numel():
             raise BlockIndexError("repeated block ids in one request")
         t = torch.arange(token_start, token_start + num_tokens)
         blocks = ids[t // self.block_size]
+        if bool((blocks == NO_BLOCK).any()):
+            raise BlockIndexError(
+                f"tokens {token_start}..{last} fall in a block the request does not hold"
+            )
         slots = t % self.block_size
         if device is not None:
             blocks, slots = blocks.to(device), slots.to(device)

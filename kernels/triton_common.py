@@ -25,7 +25,7 @@ from turbowire.codec.streams import stream_layout
 from turbowire.errors import TurboWireError
 from turbowire.kernels.fp8_cache import KVScales, is_fp8_cache
 from turbowire.kernels.items import DecodeItem, check_range
-from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
+from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.quant_lut import lut_tables
 
 logger = logging.getLogger(__name__)
@@ -366,12 +366,24 @@ def _check_tokens(layout: PagedKVLayout, num_ids: int, token_start: int, num_tok
 
 
 def _check_block_ids(layout: PagedKVLayout, ids: list[int]) -> None:
-    if ids and (min(ids) < 0 or max(ids) >= layout.num_blocks):
+    held = [b for b in ids if b != NO_BLOCK]
+    if held and (min(held) < 0 or max(held) >= layout.num_blocks):
         raise BlockIndexError(
-            f"block ids must be in 0..{layout.num_blocks - 1}, got {min(ids)}..{max(ids)}"
+            f"block ids must be in 0..{layout.num_blocks - 1}, got {min(held)}..{max(held)}"
         )
-    if len(set(ids)) != len(ids):
+    if len(set(held)) != len(held):
         raise BlockIndexError("repeated block ids in one request")
+
+
+def _check_held(layout: PagedKVLayout, ids: list[int], token_start: int, num_tokens: int) -> None:
+    """The tokens' blocks are held (no ``NO_BLOCK`` entry among them)."""
+    bs = layout.block_size
+    first, last = token_start // bs, (token_start + num_tokens - 1) // bs
+    if NO_BLOCK in ids[first : last + 1]:
+        raise BlockIndexError(
+            f"tokens {token_start}..{token_start + num_tokens - 1} fall in a block the request "
+            "does not hold"
+        )
 
 
 class _BlockTable:
@@ -399,6 +411,7 @@ class _BlockTable:
             self.ids.extend(ids)
         _, offset, ids, _ = hit
         _check_tokens(layout, len(ids), token_start, num_tokens)
+        _check_held(layout, ids, token_start, num_tokens)
         return offset, ids
 
 

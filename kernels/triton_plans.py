@@ -40,7 +40,7 @@ from turbowire.codec.errors import TruncatedPayloadError
 from turbowire.codec.wire import HEADER_BYTES
 from turbowire.kernels.fp8_cache import KVScales
 from turbowire.kernels.items import DecodeItem
-from turbowire.kernels.paged import BlockIndexError, CacheLayoutError, PagedKVLayout
+from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.triton_common import (
     _MAX_LEVELS,
     DEFAULT_CONFIG,
@@ -116,13 +116,14 @@ class ChunkSet:
         if n and (self.req.min() < 0 or self.req.max() >= self.lengths.size):
             raise ValueError("chunk request index out of range")
         ids = self.block_ids
-        if ids.size:
-            lo, hi = int(ids.min()), int(ids.max())
+        held = ids != NO_BLOCK
+        if held.any():
+            lo, hi = int(ids[held].min()), int(ids[held].max())
             if lo < 0 or hi >= layout.num_blocks:
                 raise BlockIndexError(
                     f"block ids must be in 0..{layout.num_blocks - 1}, got {lo}..{hi}")
-            seg = np.repeat(np.arange(self.lengths.size, dtype=np.int64), self.lengths)
-            if np.unique(seg * layout.num_blocks + ids).size != ids.size:
+            seg = np.repeat(np.arange(self.lengths.size, dtype=np.int64), self.lengths)[held]
+            if np.unique(seg * layout.num_blocks + ids[held]).size != seg.size:
                 raise BlockIndexError("repeated block ids in one request")
         if n:
             bad = (self.tokens <= 0) | (self.start < 0)
@@ -138,6 +139,16 @@ class ChunkSet:
                 raise BlockIndexError(
                     f"tokens up to {int(self.start[i] + self.tokens[i] - 1)} need "
                     f"{int(need[i])} blocks, {int(have[i])} block ids given")
+            if not held.all():  # no chunk's tokens may fall in an entry the request lacks
+                lacking = np.concatenate([[0], np.cumsum(~held)])
+                first = self.blk0() + self.start // layout.block_size
+                end = self.blk0() + (self.start + self.tokens - 1) // layout.block_size + 1
+                hit = lacking[end] > lacking[first]
+                if hit.any():
+                    i = int(np.argmax(hit))
+                    raise BlockIndexError(
+                        f"tokens {int(self.start[i])}..{int(self.start[i] + self.tokens[i] - 1)} "
+                        "fall in a block the request does not hold")
             if int(self.tokens.max()) > (1 << 16):
                 raise GeometryError(
                     f"a chunk holds at most 65536 tokens, got {int(self.tokens.max())}")

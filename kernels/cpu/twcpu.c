@@ -211,14 +211,19 @@ static int check_tokens(const tw_cache *cache, const tw_item *it, uint8_t *seen)
     int64_t i;
     for (i = 0; i < it->n_block_ids; i++) {
         const int64_t id = it->block_ids[i];
+        if (id == TW_NO_BLOCK) continue; /* an entry the request does not hold */
         if (id < 0 || id >= cache->num_blocks) { rc = TW_E_BLOCK; break; }
         if (seen[id >> 3] & (1u << (id & 7))) { rc = TW_E_BLOCK; break; }
         seen[id >> 3] |= (uint8_t)(1u << (id & 7));
     }
     for (int64_t j = 0; j < i; j++) { /* leave the bitmap clean for the next item */
         const int64_t id = it->block_ids[j];
+        if (id == TW_NO_BLOCK) continue;
         seen[id >> 3] &= (uint8_t)~(1u << (id & 7));
     }
+    /* the tokens' own blocks must be held */
+    for (int64_t b = it->token_start / bs; rc == TW_OK && b <= last / bs; b++)
+        if (it->block_ids[b] == TW_NO_BLOCK) rc = TW_E_BLOCK;
     return rc;
 }
 

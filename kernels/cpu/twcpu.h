@@ -19,6 +19,10 @@ enum { TW_BF16 = 1, TW_F16 = 2 };
 /* ISA variants */
 enum { TW_ISA_BASE = 0, TW_ISA_V2 = 2, TW_ISA_V3 = 3 };
 
+/* a block-list entry the request does not hold (kernels/paged.py NO_BLOCK): skipped by the
+   checks, and an item whose tokens fall in one is refused (TW_E_BLOCK) */
+#define TW_NO_BLOCK (-1)
+
 /* error codes (kernels/cpu_binding.py maps them to exception types) */
 enum {
     TW_OK = 0,
