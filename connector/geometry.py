@@ -51,6 +51,9 @@ class KVGeometry:
     layers: tuple[LayerSpec, ...]
     block_size: int
     dtype: str
+    # every layer slides (a SlidingWindowSpec group): vLLM frees the blocks the window leaves,
+    # so a request's block table holds NO_BLOCK there and only the blocks still held move
+    frees_out_of_window: bool = False
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -93,21 +96,39 @@ class KVGeometry:
         kv_cache_config: KVCacheConfig,
         is_draft: Callable[[str], bool] = lambda name: False,
     ) -> KVGeometry:
-        """Collect the full-attention layers of every KV cache group, in model order."""
-        from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+        """Collect the attention layers of the KV cache group, in model order.
 
+        Served: full attention; sliding-window layers beside full ones (Gemma 2/3: vLLM
+        promotes them to full-attention allocation, every block is kept, so every block moves);
+        a model whose every layer slides (a ``SlidingWindowSpec`` group: vLLM frees the blocks
+        the window leaves, ``frees_out_of_window``). Refused with the reason: MLA latents,
+        Mamba/linear-attention state and other cache kinds, and several KV cache groups (the
+        hybrid allocator, which vLLM turns off for a connector without ``SupportsHMA``)."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) > 1:
+            kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
+            raise GeometryError(
+                f"the KV cache has {len(groups)} groups ({kinds}): turbowire moves one group "
+                "(vLLM's hybrid KV cache manager is off for connectors without SupportsHMA)"
+            )
         layers: list[LayerSpec] = []
         block_sizes: set[int] = set()
         dtypes: set[str] = set()
-        for group in kv_cache_config.kv_cache_groups:
+        frees = False
+        for group in groups:
             spec: Any = group.kv_cache_spec
-            if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, AttentionSpec):
+            # exact types: subclasses (MLA, sinks, R-SWA's middle gap) lay out or free blocks
+            # in ways this connector does not follow
+            if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
                 raise GeometryError(
                     f"KV cache group of {type(spec).__name__} (layers {group.layer_names[:3]}...) "
-                    "is not supported: turbowire transfers standard K/V attention caches"
+                    "is not supported: turbowire transfers standard K/V attention caches "
+                    "(full or sliding-window attention), not MLA latents or Mamba/linear-"
+                    "attention state"
                 )
-            if getattr(spec, "sliding_window", None):
-                raise GeometryError("sliding-window attention groups are not supported yet")
+            frees = frees or type(spec) is SlidingWindowSpec
             block_sizes.add(spec.block_size)
             dtypes.add(str(spec.dtype).removeprefix("torch."))
             for name in group.layer_names:
@@ -125,7 +146,8 @@ class KVGeometry:
                 f"{sorted(dtypes)}; turbowire needs one of each"
             )
         layers.sort(key=lambda layer: layer_sort_key(layer.name))
-        return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop())
+        return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop(),
+                   frees_out_of_window=frees)
 
 
 def _align(n: int, a: int = SLOT_ALIGN) -> int:

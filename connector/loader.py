@@ -53,6 +53,7 @@ from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import P2P_LABEL, TurboWireConnectorStats
 from turbowire.connector.transports.base import Transfer, Transport
 from turbowire.errors import failure_reason
+from turbowire.kernels import NO_BLOCK
 
 if TYPE_CHECKING:
     from turbowire.connector.compat import CompatibilityRecord
@@ -282,7 +283,8 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
             raise LoadFailed(
                 "bounds", f"staging slots {bad[:5]} outside the peer's {staging.num_slots}"
             )
-        bad_local = [b for b in load.block_ids if not 0 <= b < self._num_local_blocks]
+        bad_local = [b for b in load.block_ids
+                     if b != NO_BLOCK and not 0 <= b < self._num_local_blocks]
         if bad_local:
             raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
         for block in load.blocks:

@@ -31,6 +31,7 @@ from turbowire.connector.peers import PeerAllowlist
 from turbowire.connector.receiver_heartbeats import Heartbeats, HeartbeatTarget
 from turbowire.connector.speculative import remote_prefill_tokens
 from turbowire.connector.staging import PromptClaim
+from turbowire.kernels import NO_BLOCK
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -140,13 +141,11 @@ class Receiver(Heartbeats):
                 tag=block_tag(remote.request_id, i),
             )
             for i in range(first_block, last_block)
+            # a sliding window's blocks vLLM freed (its null block in the table): never read
+            if not group[i].is_null
         ]
-        self._queue(
-            _load_request(
-                req_id, remote, peer, load_blocks, [b.block_id for b in group[:last_block]],
-                prompt=claim,
-            )
-        )
+        table = [NO_BLOCK if b.is_null else b.block_id for b in group[:last_block]]
+        self._queue(_load_request(req_id, remote, peer, load_blocks, table, prompt=claim))
 
     def finished(self, request: Request, drafts: Any) -> dict[str, Any] | None:
         """The finished request's params (its load report), after queueing the release of a

@@ -29,6 +29,7 @@ from turbowire.connector.sender import Sender
 from turbowire.connector.spec import EngineSetup
 from turbowire.connector.speculative import DraftLedger
 from turbowire.connector.stats import TurboWireConnectorStats
+from turbowire.kernels import NO_BLOCK
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -146,8 +147,11 @@ class TurboWireScheduler:
             self._maintenance.start()
 
     def _request_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table; the blocks a sliding window left (vLLM's null block,
+        which stands in for each of them) are ``NO_BLOCK``."""
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        return list(self._kv_cache_manager.get_block_ids(request_id)[0])
+        blocks = self._kv_cache_manager.get_blocks(request_id).blocks[0]
+        return [NO_BLOCK if b.is_null else b.block_id for b in blocks]
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -68,6 +68,12 @@ class EngineSetup:
         ktc = vllm_config.kv_transfer_config
         store_scope = None
         if config.uses_store:
+            if geometry.frees_out_of_window:
+                raise ConnectorConfigError(
+                    "transport 'store' does not serve a model whose every layer has a sliding "
+                    "window: vLLM frees the blocks the window leaves, and a stored chunk spans "
+                    "them. Use transport 'nixl'"
+                )
             if config.store_chunk_tokens % geometry.block_size:
                 fit = max(1, config.store_chunk_tokens // geometry.block_size) * geometry.block_size
                 raise ConnectorConfigError(

@@ -182,5 +182,71 @@ def ensure_tiny_eagle(target: Path, root: Path | None = None) -> Path:
     return out
 
 
+# Tiny random models of other architectures, for the model-coverage e2e tests: each keeps the
+# tiny Llama's tokenizer and KV geometry (2 KV heads x head_dim 64) and changes what the
+# connector has to handle (sliding-window layers, another attention module).
+TINY_WINDOW = 64  # tokens: shorter than the e2e prompts, so the windows really slide
+TINY_ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama: full attention on every layer (the default e2e model)",
+    "qwen3": "Qwen3: full attention with per-head q/k norms",
+    "mistral-swa": f"Mistral-style: a {TINY_WINDOW}-token sliding window on every layer",
+    "gemma2": f"Gemma-2: sliding ({TINY_WINDOW} tokens) and full layers interleaved, softcaps",
+    "gemma3": f"Gemma-3: sliding ({TINY_WINDOW} tokens) and full layers interleaved, q/k norms",
+}
+
+
+def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a transformers config)
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=4096, bos_token_id=bos, eos_token_id=eos,
+                  tie_word_embeddings=False, torch_dtype="bfloat16")
+    interleaved = ["sliding_attention", "full_attention"] * 2
+    if arch == "qwen3":
+        return Qwen3Config(**common)
+    if arch == "mistral-swa":
+        cfg = MistralConfig(**common, sliding_window=TINY_WINDOW)
+        cfg.layer_types = ["sliding_attention"] * 4  # vLLM reads the window per layer from here
+        return cfg
+    gemma = {**common, "tie_word_embeddings": True}  # vLLM's Gemmas have no separate lm_head
+    if arch == "gemma2":
+        return Gemma2Config(**gemma, sliding_window=TINY_WINDOW, layer_types=interleaved,
+                            query_pre_attn_scalar=64)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**gemma, sliding_window=TINY_WINDOW, layer_types=interleaved,
+                                query_pre_attn_scalar=64)
+    raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}")
+
+
+def ensure_tiny_model(arch: str, root: Path | None = None) -> Path:
+    """Build (once) and return a tiny random model of ``arch`` (``TINY_ARCHITECTURES``)."""
+    if arch == "llama":
+        return ensure_tiny_llama(root)
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(
+            f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}"
+        )
+    base = ensure_tiny_llama(root)
+    target = (root or cache_root() / "models") / f"tw-e2e-tiny-{arch}-v1"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(base)
+    cfg = _tiny_config(arch, len(tok), tok.bos_token_id, tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    tmp.rename(target)
+    return target
+
+
 if __name__ == "__main__":
     print(ensure_tiny_llama())

@@ -52,8 +52,8 @@ class Manager:
     def __init__(self, blocks):
         self.blocks = blocks
 
-    def get_block_ids(self, req_id):
-        return (self.blocks,)
+    def get_blocks(self, req_id):
+        return SimpleNamespace(blocks=([KVCacheBlock(i) for i in self.blocks],))
 
 
 def request(req_id, n, params, computed=0):

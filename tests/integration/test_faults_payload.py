@@ -55,8 +55,8 @@ class Manager:
     def __init__(self) -> None:
         self.blocks: dict[str, list[int]] = {}
 
-    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
-        return (self.blocks[req_id],)
+    def get_blocks(self, req_id: str) -> SimpleNamespace:
+        return SimpleNamespace(blocks=([KVCacheBlock(i) for i in self.blocks[req_id]],))
 
 
 @dataclass

@@ -54,8 +54,9 @@ class FakeManager:
     def __init__(self) -> None:
         self.blocks: dict[str, list[int]] = {}
 
-    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        return (self.blocks[req_id],)
+    def get_blocks(self, req_id: str) -> SimpleNamespace:
+        """vLLM's KVCacheBlocks of the request: one group of real blocks."""
+        return SimpleNamespace(blocks=([KVCacheBlock(i) for i in self.blocks[req_id]],))
 
 
 def request(req_id: str, n: int, params: dict | None, computed: int = 0):

@@ -1,0 +1,79 @@
+"""Model coverage on real engines: tiny random models of other architectures than the default
+Llama through a real P/D pair (vLLM CPU engines, real NIXL). With ``raw`` the decode engine's
+greedy output equals the prefill engine answering alone; with ``tq4`` a completion is produced
+from the loaded (compressed) KV. The prompts are longer than the 64-token window, so windows
+slide:
+
+* Gemma-2/3 interleave sliding-window and full layers. vLLM gives every layer full-attention
+  blocks then (its hybrid allocator is off with a connector), so every block moves.
+* The Mistral-style model slides on every layer: vLLM frees the blocks the window leaves (its
+  null block takes their place in both engines' tables), so only the blocks still in the
+  window move, and the decode engine never writes its null block.
+
+Refusals (MLA, several KV cache groups) are in tests/unit/connector/test_geometry_kinds.py."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import BLOCK_SIZE, start_stack
+from test_connector_e2e_raw import pd, prompt_ids, single
+
+from turbowire.codec import Codec
+from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
+from turbowire.models import TINY_WINDOW, ensure_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 64  # every tiny architecture model
+# inside the window; several windows and a partial block; longer than the engines' 1024-token
+# step, so the prefill engine saves its last blocks after vLLM freed the first ones
+PROMPTS = (40, 7 * BLOCK_SIZE + 5, 1100)
+assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
+
+
+def staging_bytes(preset: str, slots: int = 40) -> int:
+    geo = KVGeometry(tuple(LayerSpec(f"l.{i}", KV_HEADS, HEAD_DIM) for i in range(LAYERS)),
+                     BLOCK_SIZE, "bfloat16")
+    return StagingLayout.build(geo, Codec(preset, HEAD_DIM, LAYERS).encoded_nbytes,
+                               1 << 30).slot_bytes * slots
+
+
+def moved_blocks(arch: str, n: int) -> range:
+    """The blocks of an n-token prompt the decode engine loads: all of them, except where every
+    layer slides: then vLLM keeps those from the one holding token n - window + 1 on (its
+    ``SlidingWindowManager.get_num_skipped_tokens``)."""
+    skipped = max(0, n - TINY_WINDOW + 1) // BLOCK_SIZE if arch == "mistral-swa" else 0
+    return range(skipped, -(-n // BLOCK_SIZE))
+
+
+def wire_bytes(preset: str, n: int, blocks: range) -> int:
+    """One chunk per moved block and layer."""
+    codec = Codec(preset, HEAD_DIM, LAYERS)
+    return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - b * BLOCK_SIZE), KV_HEADS,
+                                    b * BLOCK_SIZE)
+               for b in blocks for layer in range(LAYERS))
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mistral-swa"])
+def test_architecture_hands_the_prompt_over(arch, preset, engine_slot, tmp_path_factory):
+    model = ensure_tiny_model(arch)
+    group, stack = start_stack(model, preset, tmp_path_factory.mktemp(f"logs-{arch}-{preset}"),
+                               staging_bytes(preset))
+    try:
+        for i, n in enumerate(PROMPTS):
+            prompt = prompt_ids(9100 + 10 * i + len(arch), n)
+            out = pd(stack, prompt, max_tokens=8, request_id=f"{arch}-{preset}-{n}")
+            load = out["kv_transfer_params"]["turbowire_load"]
+            assert load["failed"] is None, load
+            blocks = moved_blocks(arch, n)
+            assert load["tokens"] == n - blocks.start * BLOCK_SIZE, load
+            assert load["wire_bytes"] == wire_bytes(preset, n, blocks), load
+            text = out["choices"][0]["text"]
+            if preset == "raw":
+                assert text == single(stack, prompt, max_tokens=8)
+            else:
+                assert text.strip(), "a completion must be produced"
+    finally:
+        group.stop()
+

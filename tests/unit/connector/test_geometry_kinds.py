@@ -1,0 +1,84 @@
+"""Which KV cache kinds the connector serves, on the groups vLLM itself builds from per-layer
+specs (``get_kv_cache_groups`` with the hybrid allocator off, as vLLM runs a connector without
+``SupportsHMA``): full attention and sliding windows are served (interleaved with full layers,
+vLLM promotes the windows to full-attention allocation; on every layer, it frees the blocks the
+window leaves, which the geometry records), everything else is refused at start in turbowire's
+own words."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from turbowire.connector.geometry import GeometryError, KVGeometry
+
+SHAPE = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+NO_HMA = SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True))
+
+
+def layer_specs(kinds: str, window: int = 64) -> dict:
+    """Per-layer specs: ``s`` a sliding-window layer, ``f`` full attention, ``m`` MLA."""
+    make = {"s": lambda: SlidingWindowSpec(sliding_window=window, **SHAPE),
+            "f": lambda: FullAttentionSpec(**SHAPE),
+            "m": lambda: MLAAttentionSpec(**{**SHAPE, "num_kv_heads": 1, "head_size": 576})}
+    return {f"model.layers.{i}.self_attn.attn": make[k]() for i, k in enumerate(kinds)}
+
+
+def vllm_config_of(kinds: str) -> KVCacheConfig:
+    groups = get_kv_cache_groups(NO_HMA, layer_specs(kinds))
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize("kinds", ["ffff", "sfsf", "sssssf", "fs", "ssss"])
+def test_full_and_sliding_layers_are_served_in_model_order(kinds):
+    geo = KVGeometry.from_kv_cache_config(vllm_config_of(kinds))
+    assert [layer.name for layer in geo.layers] == list(layer_specs(kinds))
+    assert {(layer.num_kv_heads, layer.head_dim) for layer in geo.layers} == {(2, 64)}
+    assert geo.block_size == 32 and geo.dtype == "bfloat16"
+    # only a model whose every layer slides has blocks freed under it
+    assert geo.frees_out_of_window == (set(kinds) == {"s"})
+
+
+@pytest.mark.parametrize("transport", ["store", "both"])
+def test_the_store_refuses_a_model_whose_every_layer_slides(transport):
+    """A stored chunk spans blocks the window freed: refused at start, naming the fix."""
+    from support.fakes import stand_in_configs
+
+    from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
+    from turbowire.connector.spec import EngineSetup
+
+    extra = {"preset": "tq4", "staging_bytes": "1MiB", "transport": transport,
+             "store_url": "redis://127.0.0.1:1"}
+    names = list(layer_specs("ssss"))
+    vcfg, _ = stand_in_configs(extra, names, block_size=32, num_kv_heads=2, head_size=64,
+                               num_blocks=64, engine_id="e")
+    vcfg.model_config.get_num_layers = lambda parallel_config: len(names)
+    cfg = TurboWireConfig.from_extra_config(extra, environ={})
+    with pytest.raises(ConnectorConfigError, match="every layer has a sliding window.*'nixl'"):
+        EngineSetup.build(vcfg, vllm_config_of("ssss"), cfg)
+    EngineSetup.build(vcfg, vllm_config_of("sfsf"), cfg)  # interleaved: the store serves it
+
+
+def test_mla_latents_are_refused_naming_the_kind():
+    with pytest.raises(GeometryError, match="MLAAttentionSpec.*not MLA latents"):
+        KVGeometry.from_kv_cache_config(vllm_config_of("mm"))
+
+
+def test_several_groups_are_refused_naming_them():
+    names = list(layer_specs("ff"))
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(names[:1], FullAttentionSpec(**SHAPE)),
+        KVCacheGroupSpec(names[1:], SlidingWindowSpec(sliding_window=64, **SHAPE)),
+    ])
+    with pytest.raises(GeometryError, match="2 groups.*SupportsHMA"):
+        KVGeometry.from_kv_cache_config(config)
