@@ -100,7 +100,8 @@ def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
                 extra: dict | None = None, block_size: int = BLOCK_SIZE,
                 dtype: str = "bfloat16", env: dict[str, str] | None = None,
                 ) -> tuple[ProcessGroup, PDStack]:
-    """A prefill engine (core 0), a decode engine (core 1) and the proxy, warmed up. ``dtype``
+    """A prefill engine (core 0, ``kv_producer``), a decode engine (core 1, ``kv_consumer``)
+    and the proxy, warmed up: the roles of a normal P/D deployment. ``dtype``
     is the engines' ``--dtype``; ``env`` is added to both engines' environment."""
     group = ProcessGroup()
     try:
@@ -111,11 +112,13 @@ def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
                    **(extra or {}))
         p = group.add(start_engine(EngineSpec(
             "prefill", model, free_port(), cpu=0,
-            kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **cfg),
+            kv_transfer_config=turbowire_kv_config("kv_producer", side_channel_port=free_port(),
+                                                   **cfg),
             **common), log_dir))
         d = group.add(start_engine(EngineSpec(
             "decode", model, free_port(), cpu=1,
-            kv_transfer_config=turbowire_kv_config(side_channel_port=free_port(), **cfg),
+            kv_transfer_config=turbowire_kv_config("kv_consumer", side_channel_port=free_port(),
+                                                   **cfg),
             **common), log_dir))
         p.wait_healthy(900)
         d.wait_healthy(900)

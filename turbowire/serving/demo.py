@@ -300,7 +300,7 @@ def _run_demo(
     p_spec = EngineSpec(
         "prefill", model, p_port, cpu=0,
         kv_transfer_config=turbowire_kv_config(
-            "kv_both", preset=preset, side_channel_port=side_p, staging_bytes="64MiB",
+            "kv_producer", preset=preset, side_channel_port=side_p, staging_bytes="64MiB",
             **store_cfg,
         ),
         **common,
@@ -308,7 +308,7 @@ def _run_demo(
     d_spec = EngineSpec(
         "decode", model, d_port, cpu=1,
         kv_transfer_config=turbowire_kv_config(
-            "kv_both", preset=preset, side_channel_port=side_d, staging_bytes="64MiB",
+            "kv_consumer", preset=preset, side_channel_port=side_d, staging_bytes="64MiB",
             **store_cfg,
         ),
         **common,
