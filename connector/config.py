@@ -89,6 +89,7 @@ class TurboWireConfig:
     max_peers: int = _default("max_peers")
     transfer_timeout_seconds: float = _default("transfer_timeout_seconds")
     min_transfer_tokens: int = _default("min_transfer_tokens")
+    recompute_recent_tokens: int = _default("recompute_recent_tokens")
     decode_pipeline_groups: int = _default("decode_pipeline_groups")
     save_schedule: str = _default("save_schedule")
     nixl_progress_delay_us: int = _default("nixl_progress_delay_us")

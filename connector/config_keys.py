@@ -313,6 +313,16 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         default=0,
     ),
     ConfigKey(
+        "recompute_recent_tokens",
+        Int(0, 1 << 16),
+        "The decode engine recomputes the prompt's last this many tokens instead of loading "
+        "them, and the prefill engine leaves them out: the recent window, where a lossy preset "
+        "costs the most, is the model's own KV, for this many tokens of prefill on the decode "
+        "engine (bench/RESULTS.md, \"Recomputed recent window\"). Set the same value on "
+        "both engines. A prompt no longer than this is loaded whole; 0: always.",
+        default=0,
+    ),
+    ConfigKey(
         "decode_pipeline_groups",
         Int(1, MAX_DECODE_PIPELINE_GROUPS, " (1 = one READ, decode after it)"),
         "The decode engine READs a request's chunks in this many groups of layers (one NIXL READ "

@@ -78,7 +78,7 @@ class TurboWireScheduler:
         self.speculative = setup.speculative
         self.receiver = Receiver(
             config, engine_id=engine_id, block_size=self.block_size, record=self.record,
-            tp_size=self.tp_size, prefill_backoff=self.speculative.prefill_backoff,
+            tp_size=self.tp_size, prefill_backoff=setup.prefill_backoff,
             stats=self.stats, mac_key=mac_key,
         )
         self.drafts = DraftLedger(self.stats) if self.speculative.enabled else None

@@ -74,7 +74,7 @@ class Sender:
         self.layout = setup.layout
         self.tp_size = setup.tp_size
         self.record = setup.record
-        self.prefill_backoff = setup.speculative.prefill_backoff
+        self.prefill_backoff = setup.prefill_backoff
         self._mac_key = mac_key
         self._block_ids = block_ids
         share = config.staging_request_share

@@ -43,6 +43,9 @@ class EngineSetup:
     tp_size: int
     store_scope: StoreScope | None = None  # set when the config's transport uses the store
     speculative: SpeculativeSetup = SpeculativeSetup()
+    # trailing prompt tokens the prefill engine leaves out and the decode engine recomputes:
+    # the drafter's backoff, or the config's recompute_recent_tokens if more
+    prefill_backoff: int = 0
 
     @classmethod
     def build(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -91,9 +94,10 @@ class EngineSetup:
                 weights=weights,
             )
         # the NIXL roles: with transport "store" an engine neither stages nor READs from peers
+        speculative = SpeculativeSetup.from_vllm_config(vllm_config)
         return cls(geometry, codec, layout, record, bool(ktc.is_kv_producer) and config.uses_nixl,
                    bool(ktc.is_kv_consumer) and config.uses_nixl, tp_size, store_scope,
-                   SpeculativeSetup.from_vllm_config(vllm_config))
+                   speculative, max(speculative.prefill_backoff, config.recompute_recent_tokens))
 
 
 def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:
