@@ -120,3 +120,38 @@ def test_cli_rejects_unknown_task_and_two_layer_lengths() -> None:
     assert res.exit_code != 0 and "unknown task" in res.output
     res = CliRunner().invoke(app, ["eval", "--task", "layers", "--lengths", "512,1024"])
     assert res.exit_code != 0 and "one prompt length" in res.output
+
+
+def test_a_recomputed_tail_over_the_raw_prefix_is_the_exact_run(mut) -> None:
+    """``--recompute``: the prefix's KV through the preset, the last tokens run by the model
+    over it. Over raw (exact) KV that is the exact run again, up to the tail's bf16 rounding;
+    the wire carries the prefix only."""
+    from turbowire.quality.harness import EvalConfig, evaluate
+    from turbowire.quality.methods import RecomputedTailMethod
+
+    raw = CodecMethod("raw", mut.head_dim, mut.num_layers)
+    config = EvalConfig(prompt_lengths=[160], windows=2, continuation=16, threads=1)
+    res = {r.name: r for r in evaluate([RecomputedTailMethod(raw, 40)], config, mut)}
+    tail = res["raw +recompute 40"]
+    assert tail.family == "turbowire" and len(tail.kl) == 2
+    assert max(tail.kl) < 1e-3 and min(tail.top1) > 0.9
+    # two windows, each the raw chunks of its 120-token prefix
+    prefix = sum(raw.codec.encoded_nbytes(layer, 120, mut.num_kv_heads)
+                 for layer in range(mut.num_layers))
+    assert tail.wire_bytes == 2 * prefix
+
+
+def test_a_recomputed_tail_in_retrieval_over_raw_reproduces_the_exact_answers(mut) -> None:
+    from turbowire.quality.methods import RecomputedTailMethod
+
+    config = RetrievalConfig(lengths=(320,), depths=(50,), cases=1, threads=1)
+    raw = CodecMethod("raw", mut.head_dim, mut.num_layers)
+    run = evaluate_retrieval([RecomputedTailMethod(raw, 24)], config, mut)
+    exact = {(r.task, r.haystack): r for r in run.results if r.method == REFERENCE}
+    tail = [r for r in run.results if r.method == "raw +recompute 24"]
+    assert tail and len(tail) == len(exact)
+    for r in tail:
+        ref = exact[(r.task, r.haystack)]
+        assert r.correct == ref.correct and math.isclose(r.nll, ref.nll, rel_tol=0.02)
+        # the prefix's raw chunks (bf16 and headers), less than the whole prompt in bf16
+        assert r.wire_bytes < ref.wire_bytes

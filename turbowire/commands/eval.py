@@ -90,6 +90,11 @@ def register(app: typer.Typer) -> None:
             help="Also run each preset with protected tokens, simulated: SINK:RECENT pairs "
                  "(comma-separated) of prompt tokens kept exact at the start and the end, their "
                  "bf16 bytes counted in place of the preset's share."),
+        recompute: str = typer.Option(
+            "", "--recompute",
+            help="Also run each preset with its last N prompt tokens recomputed by the decode "
+                 "engine instead of loaded (the connector's recompute_recent_tokens): token "
+                 "counts, comma-separated (quality and retrieval tasks)."),
         threads: int = typer.Option(
             2, "--threads", min=1,
             help="torch CPU threads (on a machine shared with other work, 1 is often faster)."),
@@ -127,6 +132,7 @@ def register(app: typer.Typer) -> None:
           turbowire eval --task layers --presets tq4,tq3,tq2 --plot layers.png   # minutes
 
           turbowire eval --presets tq3,tq2 --protect 4:64,0:128   # what exact tokens buy
+          turbowire eval --presets tq3,k3v2 --recompute 64   # the recent window recomputed
 
           turbowire eval --task retrieval --from-json r.json --markdown r.md   # re-render
         """
@@ -151,22 +157,25 @@ def register(app: typer.Typer) -> None:
             if ("kl" in saved) != (task == "layers") or (
                     "config" in saved and "depths" in saved["config"]) != (task == "retrieval"):
                 raise typer.BadParameter(f"{from_json} is not a saved --task {task} run")
-        from turbowire.quality.methods import parse_protect
+        from turbowire.quality.methods import parse_protect, parse_tokens
 
         try:
             pairs = parse_protect(protect)
+            tails = parse_tokens(recompute, "--recompute")
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
+        if tails and task == "layers":
+            raise typer.BadParameter("--recompute applies to --task quality and retrieval")
         args = dict(console=console, names=names, plens=plens, model=model, threads=threads,
                     markdown=markdown, plot=plot, json_out=json_out, command=command,
                     saved=saved, protect=pairs)
         if task == "quality":
             _quality(windows=windows or DEFAULT_WINDOWS["quality"], continuation=continuation,
-                     baselines=baselines, **args)
+                     baselines=baselines, tails=tails, **args)
         elif task == "retrieval":
             _retrieval(depths=_ints(depths), cases=cases, needles=_names(needles),
                        haystacks=_names(haystacks), keys=keys, seed=seed, baselines=baselines,
-                       **args)
+                       tails=tails, **args)
         else:
             if len(plens) != 1:
                 raise typer.BadParameter("--task layers takes one prompt length")
@@ -196,11 +205,13 @@ def _load(console, model: str):
     return mut
 
 
-def _codec_methods(names, mut, protect):
-    from turbowire.quality.methods import CodecMethod, ProtectedMethod
+def _codec_methods(names, mut, protect, tails=()):
+    from turbowire.quality.methods import CodecMethod, ProtectedMethod, RecomputedTailMethod
 
     methods = [CodecMethod(n, mut.head_dim, mut.num_layers) for n in names]
-    return methods + [ProtectedMethod(m, sink, recent) for m in methods for sink, recent in protect]
+    return (methods
+            + [ProtectedMethod(m, sink, recent) for m in methods for sink, recent in protect]
+            + [RecomputedTailMethod(m, n) for m in methods for n in tails])
 
 
 def _write(console, path: Path | None, text: str) -> None:
@@ -210,7 +221,7 @@ def _write(console, path: Path | None, text: str) -> None:
 
 
 def _quality(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-             saved, protect, windows, continuation, baselines) -> None:
+             saved, protect, windows, continuation, baselines, tails) -> None:
     from dataclasses import asdict
 
     from turbowire.quality.harness import EvalConfig, MethodResult, evaluate
@@ -229,7 +240,7 @@ def _quality(*, console, names, plens, model, threads, markdown, plot, json_out,
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         mut = _load(console, model)
-        methods = _codec_methods(names, mut, protect)
+        methods = _codec_methods(names, mut, protect, tails)
         if baselines:
             methods += baseline_methods(mut.num_layers)
         console.print(f"model {mut.name}: {mut.num_layers} layers, {mut.num_kv_heads} KV heads, "
@@ -256,7 +267,8 @@ def _quality(*, console, names, plens, model, threads, markdown, plot, json_out,
 
 
 def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_out, command,
-               saved, protect, depths, cases, needles, haystacks, keys, seed, baselines) -> None:
+               saved, protect, depths, cases, needles, haystacks, keys, seed, baselines,
+               tails) -> None:
     from turbowire.quality.methods import anchor_methods
     from turbowire.quality.retrieval import RetrievalConfig, RetrievalRun, evaluate_retrieval
     from turbowire.quality.retrieval_report import (
@@ -278,7 +290,7 @@ def _retrieval(*, console, names, plens, model, threads, markdown, plot, json_ou
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         mut = _load(console, model)
-        methods = _codec_methods(names, mut, protect)
+        methods = _codec_methods(names, mut, protect, tails)
         if baselines:
             methods += anchor_methods(mut.num_layers)
         grid = config.grid()

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from turbowire.quality.corpus import load_corpus
-from turbowire.quality.methods import KVMethod
+from turbowire.quality.methods import KVMethod, RecomputedTailMethod
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,30 @@ def apply_method(method: KVMethod, kv: KV) -> tuple[KV, int]:
     return recon, nbytes
 
 
+def extend_kv(mut: ModelUnderTest, kv: KV, ids: torch.Tensor) -> KV:
+    """``kv`` followed by the KV of ``ids`` (1-D) computed over it, rounded to bf16 as a vLLM
+    cache holds it: what a decode engine holds after recomputing those tokens itself."""
+    cache = kv_cache(kv)
+    if ids.numel():
+        mut.model(ids[None], past_key_values=cache, logits_to_keep=1)
+    return [
+        (layer.keys[0].transpose(0, 1).to(torch.bfloat16),
+         layer.values[0].transpose(0, 1).to(torch.bfloat16))
+        for layer in cache.layers
+    ]
+
+
+def recomputed_tail(mut: ModelUnderTest, method: RecomputedTailMethod, layers: KV,
+                    ids: torch.Tensor, later: int = 0) -> tuple[KV, int]:
+    """The decode engine's KV of the prompt ``ids`` (1-D, ``layers`` its exact KV) when it
+    recomputes the prompt's last ``method.recent`` tokens, ``later`` of which come after
+    ``ids`` (the caller runs them): the prefix through the method, the tail run over it.
+    Returns it and the prefix's wire bytes."""
+    cut = max(ids.numel() + later - method.recent, 1)
+    recon, nbytes = apply_method(method, [(k[:cut], v[:cut]) for k, v in layers])
+    return extend_kv(mut, recon, ids[cut:]), nbytes
+
+
 @torch.inference_mode()
 def evaluate(
     methods: Sequence[KVMethod],
@@ -182,7 +206,10 @@ def evaluate(
             ref_result.wire_bytes += dense * 2
             ref_result.dense_elements += dense
             for method in methods:
-                recon, nbytes = apply_method(method, layers)
+                if isinstance(method, RecomputedTailMethod):
+                    recon, nbytes = recomputed_tail(mut, method, layers, prompt[0])
+                else:
+                    recon, nbytes = apply_method(method, layers)
                 test = continuation_logprobs(recon)
                 r = per_method[method.name]
                 r.kl.append(float((ref.exp() * (ref - test)).sum(-1).mean()))

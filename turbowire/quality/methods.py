@@ -119,6 +119,41 @@ class ProtectedMethod:
         return kq, vq, round(nbytes - nbytes * n / k.shape[0]) + exact
 
 
+@dataclass
+class RecomputedTailMethod:
+    """A preset whose decode engine recomputes the prompt's last ``recent`` tokens instead of
+    loading them (the connector's ``recompute_recent_tokens``): the wire carries the rest, and
+    the recent window's KV is the model's own, computed over the decoded prefix (the harness
+    runs that forward pass). Bytes: the prefix's real bytes; the cost is ``recent`` tokens of
+    prefill on the decode engine, not bytes."""
+
+    inner: CodecMethod
+    recent: int
+    family: str = "turbowire"
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.recent <= 0:
+            raise ValueError("a recomputed tail has at least one token")
+        self.name = f"{self.inner.name} +recompute {self.recent}"
+
+    def apply(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The prefix's KV (the tokens before the recomputed tail) through the preset."""
+        return self.inner.apply(layer, k, v)
+
+
+def parse_tokens(text: str, option: str) -> list[int]:
+    """``"64,128"`` -> [64, 128]: positive token counts of ``option``."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit() or int(part) <= 0:
+            raise ValueError(f"{option} takes positive token counts, got {part!r}")
+        out.append(int(part))
+    return out
+
+
 def parse_protect(text: str) -> list[tuple[int, int]]:
     """``"4:64,0:128"`` -> [(4, 64), (0, 128)]: (sink, recent) pairs of ``--protect``."""
     pairs = []

@@ -28,8 +28,9 @@ from turbowire.quality.harness import (
     apply_method,
     kv_cache,
     prefill_kv,
+    recomputed_tail,
 )
-from turbowire.quality.methods import KVMethod
+from turbowire.quality.methods import KVMethod, RecomputedTailMethod
 from turbowire.quality.needles import (
     HAYSTACKS,
     TASKS,
@@ -300,7 +301,12 @@ def evaluate_retrieval(
         for method in methods:
             if progress:
                 progress(f"{label}: {method.name}", done, total)
-            recon, nbytes = apply_method(method, layers)
+            if isinstance(method, RecomputedTailMethod):
+                # the last prompt token is the answer pass's first input, so the last but one
+                # of the recomputed tail
+                recon, nbytes = recomputed_tail(mut, method, layers, prompt[:-1], later=1)
+            else:
+                recon, nbytes = apply_method(method, layers)
             score(method.name, method.family, recon, nbytes, ref)
             done += 1
         if progress:
