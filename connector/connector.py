@@ -110,7 +110,13 @@ class TurboWireConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ class hooks
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # the kernels handle LBHNC and LBNHC
+        """None: the kernels handle LBHNC and LBNHC. vLLM asks while it builds the model's
+        attention, before it groups the KV cache, so a hybrid model is refused here, in
+        turbowire's words, rather than by vLLM's grouping error."""
+        from turbowire.connector.geometry import refuse_hybrid
+
+        refuse_hybrid(getattr(vllm_config, "model_config", None))
+        return None
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -150,6 +150,22 @@ class KVGeometry:
                    frees_out_of_window=frees)
 
 
+def refuse_hybrid(model_config: Any) -> None:
+    """A Mamba or linear-attention hybrid (vLLM's ``is_hybrid``) is not served: its state is
+    not K/V attention and needs vLLM's hybrid KV cache manager."""
+    try:
+        hybrid = bool(model_config is not None and model_config.is_hybrid)
+    except Exception:  # noqa: BLE001 - a config without the property is no hybrid
+        hybrid = False
+    if hybrid:
+        arch = ", ".join(getattr(model_config, "architectures", None) or ["this model"])
+        raise GeometryError(
+            f"{arch} is a hybrid model (Mamba or linear-attention layers beside attention): "
+            "turbowire transfers K/V attention caches only and does not serve hybrid models "
+            "yet; serve it without the connector"
+        )
+
+
 def _align(n: int, a: int = SLOT_ALIGN) -> int:
     return (n + a - 1) // a * a
 

@@ -192,6 +192,7 @@ TINY_ARCHITECTURES: dict[str, str] = {
     "mistral-swa": f"Mistral-style: a {TINY_WINDOW}-token sliding window on every layer",
     "gemma2": f"Gemma-2: sliding ({TINY_WINDOW} tokens) and full layers interleaved, softcaps",
     "gemma3": f"Gemma-3: sliding ({TINY_WINDOW} tokens) and full layers interleaved, q/k norms",
+    "qwen3-next": "Qwen3-Next: gated-delta-net linear attention beside full attention, MoE",
 }
 
 
@@ -205,6 +206,14 @@ def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a 
     interleaved = ["sliding_attention", "full_attention"] * 2
     if arch == "qwen3":
         return Qwen3Config(**common)
+    if arch == "qwen3-next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(
+            **common, layer_types=["linear_attention", "full_attention"] * 2,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128)
     if arch == "mistral-swa":
         cfg = MistralConfig(**common, sliding_window=TINY_WINDOW)
         cfg.layer_types = ["sliding_attention"] * 4  # vLLM reads the window per layer from here

@@ -77,3 +77,32 @@ def test_architecture_hands_the_prompt_over(arch, preset, engine_slot, tmp_path_
     finally:
         group.stop()
 
+
+
+def test_a_hybrid_model_is_refused_at_start_in_turbowires_words(engine_slot, tmp_path_factory):
+    """Qwen3-Next-style (gated delta net beside attention): its state is not K/V attention.
+    The engine stops at start with turbowire's reason, before vLLM's own grouping error
+    ("Failed to promote local KV cache specs to one unified type")."""
+    from turbowire.serving.launch import (
+        EngineSpec,
+        EngineStartError,
+        ProcessGroup,
+        free_port,
+        start_engine,
+        turbowire_kv_config,
+    )
+
+    group = ProcessGroup()
+    try:
+        with pytest.raises(EngineStartError, match="Qwen3NextForCausalLM is a hybrid model"):
+            engine = group.add(start_engine(EngineSpec(
+                "prefill", ensure_tiny_model("qwen3-next"), free_port(), cpu=0,
+                kv_transfer_config=turbowire_kv_config(
+                    "kv_producer", side_channel_port=free_port(), preset="tq4",
+                    staging_bytes=staging_bytes("tq4")),
+                kvcache_gib=1, block_size=BLOCK_SIZE, max_model_len=2048, max_num_seqs=8,
+                max_num_batched_tokens=1024, served_model_name="tiny"),
+                tmp_path_factory.mktemp("logs-qwen3-next")))
+            engine.wait_healthy(900)
+    finally:
+        group.stop()

@@ -82,3 +82,14 @@ def test_several_groups_are_refused_naming_them():
     ])
     with pytest.raises(GeometryError, match="2 groups.*SupportsHMA"):
         KVGeometry.from_kv_cache_config(config)
+
+
+def test_a_hybrid_model_is_refused_by_name_before_vllm_groups_its_cache():
+    from turbowire.connector.connector import TurboWireConnector
+
+    hybrid = SimpleNamespace(model_config=SimpleNamespace(
+        is_hybrid=True, architectures=["JambaForCausalLM"]))
+    with pytest.raises(GeometryError, match="JambaForCausalLM is a hybrid model"):
+        TurboWireConnector.get_required_kvcache_layout(hybrid)
+    dense = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=False, architectures=["X"]))
+    assert TurboWireConnector.get_required_kvcache_layout(dense) is None
