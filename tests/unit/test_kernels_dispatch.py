@@ -81,7 +81,8 @@ def test_remote_indices_are_bounds_checked() -> None:
     with pytest.raises(BlockIndexError, match="outside"):
         decode_into(codec, 0, dst, layout, [DecodeItem([0], 0, 8, 65530, n)], staging)
     with pytest.raises(BlockIndexError, match="block ids"):
-        decode_into(codec, 0, dst, layout, [DecodeItem([-1], 0, 8, 0, n)], staging)
+        # -2: out of range (-1 is NO_BLOCK, tests/unit/test_kernels_no_block.py)
+        decode_into(codec, 0, dst, layout, [DecodeItem([-2], 0, 8, 0, n)], staging)
     assert bool((dst == GUARD).all())
 
 

@@ -393,8 +393,8 @@ def test_remote_indices_and_offsets_are_refused_before_any_launch() -> None:
     with pytest.raises(BlockIndexError, match="same cache slots"):
         decode_into(codec, 1, dst, layout, overlapping, staging, **kw)
     with pytest.raises(BlockIndexError, match="block ids"):
-        decode_into(codec, 1, dst, layout, [DecodeItem([-1, 2], 0, 20, 0, item.nbytes, 11)],
-                    staging, **kw)
+        decode_into(codec, 1, dst, layout, [DecodeItem([-2, 2], 0, 20, 0, item.nbytes, 11)],
+                    staging, **kw)  # -1 is NO_BLOCK: tests/unit/test_kernels_no_block.py
     assert bool((dst == GUARD).all())
 
 
