@@ -16,26 +16,18 @@ from __future__ import annotations
 
 import pytest
 from conftest import BLOCK_SIZE, start_stack
-from test_connector_e2e_raw import pd, prompt_ids, single
+from test_connector_e2e_raw import pd, prompt_ids, single, staging_bytes_for
+from test_presets_e2e import wire_bytes
 
-from turbowire.codec import Codec
-from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
 from turbowire.models import TINY_WINDOW, ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 64  # every tiny architecture model
+LAYERS = 4  # every tiny architecture model (2 KV heads x head_dim 64, as the tiny Llama)
 # inside the window; several windows and a partial block; longer than the engines' 1024-token
 # step, so the prefill engine saves its last blocks after vLLM freed the first ones
 PROMPTS = (40, 7 * BLOCK_SIZE + 5, 1100)
 assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
-
-
-def staging_bytes(preset: str, slots: int = 40) -> int:
-    geo = KVGeometry(tuple(LayerSpec(f"l.{i}", KV_HEADS, HEAD_DIM) for i in range(LAYERS)),
-                     BLOCK_SIZE, "bfloat16")
-    return StagingLayout.build(geo, Codec(preset, HEAD_DIM, LAYERS).encoded_nbytes,
-                               1 << 30).slot_bytes * slots
 
 
 def moved_blocks(arch: str, n: int) -> range:
@@ -46,20 +38,12 @@ def moved_blocks(arch: str, n: int) -> range:
     return range(skipped, -(-n // BLOCK_SIZE))
 
 
-def wire_bytes(preset: str, n: int, blocks: range) -> int:
-    """One chunk per moved block and layer."""
-    codec = Codec(preset, HEAD_DIM, LAYERS)
-    return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - b * BLOCK_SIZE), KV_HEADS,
-                                    b * BLOCK_SIZE)
-               for b in blocks for layer in range(LAYERS))
-
-
 @pytest.mark.parametrize("preset", ["raw", "tq4"])
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mistral-swa"])
 def test_architecture_hands_the_prompt_over(arch, preset, engine_slot, tmp_path_factory):
     model = ensure_tiny_model(arch)
     group, stack = start_stack(model, preset, tmp_path_factory.mktemp(f"logs-{arch}-{preset}"),
-                               staging_bytes(preset))
+                               staging_bytes_for(preset, 40, LAYERS))
     try:
         for i, n in enumerate(PROMPTS):
             prompt = prompt_ids(9100 + 10 * i + len(arch), n)
@@ -68,7 +52,7 @@ def test_architecture_hands_the_prompt_over(arch, preset, engine_slot, tmp_path_
             assert load["failed"] is None, load
             blocks = moved_blocks(arch, n)
             assert load["tokens"] == n - blocks.start * BLOCK_SIZE, load
-            assert load["wire_bytes"] == wire_bytes(preset, n, blocks), load
+            assert load["wire_bytes"] == wire_bytes(preset, n, LAYERS, blocks), load
             text = out["choices"][0]["text"]
             if preset == "raw":
                 assert text == single(stack, prompt, max_tokens=8)
@@ -99,7 +83,7 @@ def test_a_hybrid_model_is_refused_at_start_in_turbowires_words(engine_slot, tmp
                 "prefill", ensure_tiny_model("qwen3-next"), free_port(), cpu=0,
                 kv_transfer_config=turbowire_kv_config(
                     "kv_producer", side_channel_port=free_port(), preset="tq4",
-                    staging_bytes=staging_bytes("tq4")),
+                    staging_bytes=staging_bytes_for("tq4", 40, LAYERS)),
                 kvcache_gib=1, block_size=BLOCK_SIZE, max_model_len=2048, max_num_seqs=8,
                 max_num_batched_tokens=1024, served_model_name="tiny"),
                 tmp_path_factory.mktemp("logs-qwen3-next")))

@@ -20,11 +20,14 @@ COVERED_ELSEWHERE = {"raw", "tq4"}
 PROMPT_TOKENS = 2 * BLOCK_SIZE + 9  # two full blocks and a partial one
 
 
-def wire_bytes(preset: str, n: int) -> int:
-    """What the P2P path moves for an n-token prompt: one chunk per block, per layer."""
-    codec = Codec(preset, HEAD_DIM, LAYERS)
-    return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - start), KV_HEADS, start)
-               for start in range(0, n, BLOCK_SIZE) for layer in range(LAYERS))
+def wire_bytes(preset: str, n: int, layers: int = LAYERS, blocks: range | None = None) -> int:
+    """What the P2P path moves for an n-token prompt: one chunk per block (every block, or
+    ``blocks``), per layer, of a tiny model with ``layers`` layers."""
+    codec = Codec(preset, HEAD_DIM, layers)
+    blocks = range(-(-n // BLOCK_SIZE)) if blocks is None else blocks
+    return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - b * BLOCK_SIZE), KV_HEADS,
+                                    b * BLOCK_SIZE)
+               for b in blocks for layer in range(layers))
 
 
 @pytest.mark.parametrize("preset", [p for p in list_presets() if p not in COVERED_ELSEWHERE])

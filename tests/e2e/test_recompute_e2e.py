@@ -9,19 +9,11 @@ from __future__ import annotations
 import pytest
 from conftest import BLOCK_SIZE, start_stack
 from test_connector_e2e_raw import pd, prompt_ids, single, staging_bytes_for
-
-from turbowire.codec import Codec
+from test_presets_e2e import wire_bytes
 
 pytestmark = pytest.mark.e2e
 
 RECENT = 40  # not a multiple of the block size: the loaded prefix ends inside a block
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # the tiny e2e model
-
-
-def wire_bytes(n: int) -> int:
-    codec = Codec("raw", HEAD_DIM, LAYERS)
-    return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - start), KV_HEADS, start)
-               for start in range(0, n, BLOCK_SIZE) for layer in range(LAYERS))
 
 
 def test_the_decode_engine_recomputes_the_recent_window(tiny_model, engine_slot,
@@ -36,7 +28,7 @@ def test_the_decode_engine_recomputes_the_recent_window(tiny_model, engine_slot,
             load = out["kv_transfer_params"]["turbowire_load"]
             moved = n - RECENT if n > RECENT else n
             assert load["failed"] is None and load["tokens"] == moved, load
-            assert load["wire_bytes"] == wire_bytes(moved), load
+            assert load["wire_bytes"] == wire_bytes("raw", moved), load
             assert out["choices"][0]["text"] == single(stack, prompt)
     finally:
         group.stop()
