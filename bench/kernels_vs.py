@@ -75,7 +75,8 @@ def _time(fn: Any) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median"))
 
 
-def time_side(out: Path) -> None:
+def time_side(out: Path, presets: tuple[str, ...] = PRESETS,
+              chunks: tuple[int, ...] = CHUNKS) -> None:
     """Time the importable turbowire's kernels on every (preset, chunk) shape; write JSON."""
     import torch
 
@@ -99,9 +100,9 @@ def time_side(out: Path) -> None:
     ids = torch.randperm(nb, generator=perm)[: TOKENS // BLOCK].tolist()
     dids = torch.randperm(nb, generator=perm)[: TOKENS // BLOCK].tolist()
     rows = []
-    for preset in PRESETS:
+    for preset in presets:
         codec = Codec(preset, DIM, LAYERS)
-        for chunk in CHUNKS:
+        for chunk in chunks:
             enc, off = [], 0
             for layer in range(LAYERS):
                 row = []
@@ -131,8 +132,8 @@ def time_side(out: Path) -> None:
                               for k in eplan.compiled + dplan.compiled],
             })
             print(json.dumps(rows[-1]), flush=True)
+            out.write_text(json.dumps(rows, indent=1))  # a run cut short keeps what it timed
             del staging
-    out.write_text(json.dumps(rows, indent=1))
 
 
 def table(base: list[dict[str, Any]], cur: list[dict[str, Any]], ref: str) -> str:
@@ -199,14 +200,29 @@ def main() -> int:
     r = sub.add_parser("run", help="time the installed kernels and the baseline's, one table")
     r.add_argument("--baseline", type=Path, required=True)
     r.add_argument("--out", type=Path, required=True)
-    t = sub.add_parser("time", help="(internal) time the importable kernels, write JSON")
+    t = sub.add_parser("time", help="time the importable kernels alone, write JSON (`run` "
+                       "calls it; alone with --presets all it feeds `turbowire recommend`)")
     t.add_argument("out", type=Path)
+    t.add_argument("--presets", default=",".join(PRESETS),
+                   help="comma-separated presets, or 'all' (every lossy preset)")
+    t.add_argument("--chunks", default=",".join(map(str, CHUNKS)),
+                   help="comma-separated chunk sizes in tokens")
     args = ap.parse_args()
     if args.cmd == "baseline":
         make_baseline(args.ref, args.dir)
         return 0
     if args.cmd == "time":
-        time_side(args.out)
+        from turbowire.codec import list_presets
+
+        presets = tuple(p for p in list_presets() if p != "raw") if args.presets == "all" \
+            else tuple(p for p in args.presets.split(",") if p)
+        unknown = sorted(set(presets) - set(list_presets()))
+        if unknown:
+            ap.error(f"unknown presets {unknown}; known: {', '.join(list_presets())}")
+        chunks = tuple(int(c) for c in args.chunks.split(",") if c)
+        if SMOKE:
+            presets, chunks = PRESETS, CHUNKS
+        time_side(args.out, presets, chunks)
         return 0
     return run(args.baseline, args.out)
 

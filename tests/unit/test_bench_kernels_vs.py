@@ -50,3 +50,11 @@ print("ok")
     proc = run(["-c", code])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_time_refuses_an_unknown_preset(tmp_path: Path) -> None:
+    proc = run(["-m", "bench.kernels_vs", "time", str(tmp_path / "t.json"), "--presets",
+                "tq4,tq9"])
+    assert proc.returncode == 2
+    assert "unknown presets ['tq9']" in proc.stderr
+    assert not (tmp_path / "t.json").exists()

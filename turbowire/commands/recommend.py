@@ -10,7 +10,7 @@ RESULTS = Path("bench/results")
 DEFAULTS = {
     "quality": RESULTS / "quality/eval.json",
     "retrieval": RESULTS / "quality/retrieval.json",
-    "h200": RESULTS / "kernels_vs/current.json",
+    "h200": RESULTS / "kernels_vs/presets.json",
     "cpu": RESULTS / "cpu_codec/results.json",
 }
 
@@ -22,7 +22,8 @@ def register(app: typer.Typer) -> None:
         retrieval: Path = typer.Option(
             DEFAULTS["retrieval"], help="`turbowire eval --task retrieval --json` output."),
         h200: Path = typer.Option(
-            DEFAULTS["h200"], help="`python -m bench.kernels_vs run` current.json (H200)."),
+            DEFAULTS["h200"],
+            help="`python -m bench.kernels_vs time OUT --presets all --chunks 256` (H200)."),
         cpu: Path = typer.Option(
             DEFAULTS["cpu"], help="`python -m bench.cpu_codec --json` output (one core)."),
         markdown: Path | None = typer.Option(
