@@ -66,13 +66,47 @@ def test_the_command_prints_a_table_that_fits_80_columns(tmp_path):
     res = CliRunner().invoke(
         app, ["recommend", "--retrieval", str(p["retrieval"]), "--quality", str(p["quality"]),
               "--h200", str(p["h200"]), "--cpu", str(tmp_path / "none.json"),
+              "--recompute-quality", str(tmp_path / "none.json"),
+              "--recompute-retrieval", str(tmp_path / "none.json"),
               "--markdown", str(out)], env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
     assert max(len(line) for line in res.output.splitlines()) <= 80
     assert "tq3: loses retrieval" in res.output and out.exists()
     none = CliRunner().invoke(app, ["recommend", "--retrieval", "a", "--quality", "b",
-                                    "--h200", "c", "--cpu", "d"])
+                                    "--h200", "c", "--cpu", "d", "--recompute-quality", "e",
+                                    "--recompute-retrieval", "f"])
     assert none.exit_code != 0 and "no result file found" in none.output
+
+
+def test_a_recomputed_window_is_a_row_of_its_own_judged_against_its_runs_exact_kv(tmp_path):
+    """"<preset> +recompute N" methods of the recompute runs become rows `<preset>+rN` with the
+    preset's bits and speed, their quality from the recompute run alone, and the same rule."""
+    p = _files(tmp_path)
+    cases = []
+    for seed in range(10):
+        cases.append(_case("bf16 (reference)", "reference", 4096, seed, seed < 5, 0.1))
+        cases.append(_case("tq4", "turbowire", 4096, seed, seed < 5, 0.1))  # not a new row
+        cases.append(_case("tq4 +recompute 64", "turbowire", 4096, seed, seed < 5, 0.1))
+        cases.append(_case("tq3 +recompute 32", "turbowire", 4096, seed, seed < 3, 0.2))
+        cases.append(_case("tq9 +recompute 64", "turbowire", 4096, seed, True, 0.1))  # no preset
+    quality = {"results": [
+        dict(name="tq4 +recompute 64", family="turbowire", prompt_len=512, kl=[0.001],
+             top1=[0.99]),
+        dict(name="tq4", family="turbowire", prompt_len=4096, kl=[9.0], top1=[0.1])]}
+    rr, rq = tmp_path / "rr.json", tmp_path / "rq.json"
+    rr.write_text(json.dumps({"results": cases}))
+    rq.write_text(json.dumps(quality))
+    rows = {r.label: r for r in build(p["quality"], p["retrieval"], p["h200"], None,
+                                      recompute_quality=rq, recompute_retrieval=rr)}
+    assert set(rows) >= {"tq4+r64", "tq3+r32"} and "tq9+r64" not in rows
+    w, alone = rows["tq4+r64"], rows["tq4"]
+    assert w.recompute == 64 and w.bits == alone.bits and w.h200_gbs == alone.h200_gbs
+    assert w.kl == {512: 0.001} and alone.kl[2048] < 1  # the base run's KL is untouched
+    assert w.recommended and w.pooled == (50.0, 50.0)
+    assert not rows["tq3+r32"].recommended and "30.0% vs 50.0%" in rows["tq3+r32"].verdict
+    text = markdown(list(rows.values()), {})
+    assert "- `tq4` + `recompute_recent_tokens: 64`: retrieval 50.0%" in text
+    assert "| tq4+r64 |" in text
 
 
 def test_the_sign_test_counts_the_one_sided_tail():
@@ -102,7 +136,9 @@ def test_readmes_preset_guidance_is_what_recommend_prints_from_the_committed_res
 
     root = Path(__file__).resolve().parents[2]
     paths = {k: root / v for k, v in DEFAULTS.items()}
-    rows = build(paths["quality"], paths["retrieval"], paths["h200"], paths["cpu"])
+    rows = build(paths["quality"], paths["retrieval"], paths["h200"], paths["cpu"],
+                 recompute_quality=paths["recompute_quality"],
+                 recompute_retrieval=paths["recompute_retrieval"])
     want = markdown(rows, {k: str(v) for k, v in DEFAULTS.items() if (root / v).exists()})
     readme = (root / "README.md").read_text()
     begin, end = "<!-- recommend:begin -->\n", "<!-- recommend:end -->"

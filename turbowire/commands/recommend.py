@@ -12,6 +12,8 @@ DEFAULTS = {
     "retrieval": RESULTS / "quality/retrieval.json",
     "h200": RESULTS / "kernels_vs/presets.json",
     "cpu": RESULTS / "cpu_codec/results.json",
+    "recompute_quality": RESULTS / "quality/recompute.json",
+    "recompute_retrieval": RESULTS / "quality/retrieval_recompute.json",
 }
 
 
@@ -26,6 +28,12 @@ def register(app: typer.Typer) -> None:
             help="`python -m bench.kernels_vs time OUT --presets all --chunks 256` (H200)."),
         cpu: Path = typer.Option(
             DEFAULTS["cpu"], help="`python -m bench.cpu_codec --json` output (one core)."),
+        recompute_quality: Path = typer.Option(
+            DEFAULTS["recompute_quality"],
+            help="`turbowire eval --recompute N --json` output (rows `<preset>+rN`)."),
+        recompute_retrieval: Path = typer.Option(
+            DEFAULTS["recompute_retrieval"],
+            help="`turbowire eval --task retrieval --recompute N --json` output."),
         markdown: Path | None = typer.Option(
             None, "--markdown", help="Also write the table and verdicts as Markdown here."),
     ) -> None:
@@ -34,7 +42,9 @@ def register(app: typer.Typer) -> None:
 
         It only reads results (the defaults are the files committed in bench/results of a
         turbowire checkout); a preset whose retrieval falls more than 1 point below the same
-        run's exact KV at any prompt length, or was not measured, is never recommended.
+        run's exact KV at any prompt length, or was not measured, is never recommended. Rows
+        `<preset>+rN` are the preset with `recompute_recent_tokens: N`, judged the same way on
+        the runs made with `turbowire eval --recompute N`.
 
         Examples:
 
@@ -49,8 +59,10 @@ def register(app: typer.Typer) -> None:
         from turbowire.quality.recommend import HEAD, build, table_rows
         from turbowire.quality.recommend import markdown as to_markdown
 
-        paths = dict(quality=quality, retrieval=retrieval, h200=h200, cpu=cpu)
-        missing = [f"--{k} {v}" for k, v in paths.items() if not v.exists()]
+        paths = dict(quality=quality, retrieval=retrieval, h200=h200, cpu=cpu,
+                     recompute_quality=recompute_quality,
+                     recompute_retrieval=recompute_retrieval)
+        missing = [f"--{k.replace('_', '-')} {v}" for k, v in paths.items() if not v.exists()]
         if len(missing) == len(paths):
             raise typer.BadParameter(
                 "no result file found (" + ", ".join(missing) + "): run it from a turbowire "
@@ -58,7 +70,8 @@ def register(app: typer.Typer) -> None:
         console = Console()
         for m in missing:
             console.print(f"[yellow]not found, its columns stay empty:[/] {m}")
-        rows = build(quality, retrieval, h200, cpu)
+        rows = build(quality, retrieval, h200, cpu, recompute_quality=recompute_quality,
+                     recompute_retrieval=recompute_retrieval)
         table = Table(title="turbowire presets, as measured", title_justify="left",
                       box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
                       padding=(0, 1), collapse_padding=True)
@@ -70,7 +83,7 @@ def register(app: typer.Typer) -> None:
             table.add_row(*c)
         console.print(table)
         for r in rows:
-            console.print(f"[bold]{r.preset}[/]: {r.verdict}")
+            console.print(f"[bold]{r.label}[/]: {r.verdict}")
         if markdown:
             markdown.parent.mkdir(parents=True, exist_ok=True)
             markdown.write_text(to_markdown(rows, {k: str(v) for k, v in paths.items()

@@ -8,12 +8,17 @@ it, its accuracy over all the run's cases is at least the same run's exact KV's 
 ``RETRIEVAL_SLACK_POINTS``, and at no prompt length does it lose cases the exact KV retrieves
 significantly more often than it wins others (paired, one-sided sign test at ``LOSS_P``): a
 preset that loses retrieval the exact KV has is never recommended.
+
+A configuration row "<preset>+r<N>" is the preset with ``recompute_recent_tokens: N`` (the decode
+engine computes the prompt's last N tokens instead of loading them), judged by the same rule on
+the runs made with ``turbowire eval --recompute N`` (each against its own run's exact KV).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,7 @@ RETRIEVAL_SLACK_POINTS = 1.0  # issue 35's bar: exact KV's accuracy minus 1 poin
 LOSS_P = 0.05  # a length's paired losses are significant below this one-sided p-value
 REFERENCE_FAMILY = "reference"
 BITS_HEAD_DIM, BITS_HEADS, BITS_LAYERS = 128, 8, 32  # the geometry bits/element is quoted at
+RECOMPUTE_METHOD = re.compile(r"^(?P<preset>\S+) \+recompute (?P<tokens>\d+)$")  # eval's names
 
 
 @dataclass
@@ -44,10 +50,23 @@ class PresetRow:
     cpu_gbs: tuple[float, float] | None = None
     verdict: str = ""
     recommended: bool = False
+    recompute: int = 0  # recompute_recent_tokens of this configuration (0: the preset alone)
 
     @property
     def ratio(self) -> float:
         return 16.0 / self.bits
+
+    @property
+    def label(self) -> str:
+        """The table's short name: ``tq4``, or ``tq4+r64`` with a recomputed window."""
+        return f"{self.preset}+r{self.recompute}" if self.recompute else self.preset
+
+    @property
+    def config(self) -> str:
+        """What a user sets, as the verdicts name it."""
+        if not self.recompute:
+            return f"`{self.preset}`"
+        return f"`{self.preset}` + `recompute_recent_tokens: {self.recompute}`"
 
 
 def preset_bits(name: str) -> float:
@@ -157,23 +176,48 @@ def _judge(row: PresetRow) -> None:
                    f"{max(row.accuracy)} tokens, no length with significant losses")
 
 
+def _recompute_rows(base: dict[str, PresetRow], *runs: Any) -> dict[str, PresetRow]:
+    """A row per "<preset> +recompute N" method the recompute runs measured, keyed by that name;
+    the codec's speed is the preset's (the window changes what is sent, not how)."""
+    rows: dict[str, PresetRow] = {}
+    for data in runs:
+        for r in (data or {}).get("results", []):
+            name = r.get("name") or r.get("method") or ""
+            m = RECOMPUTE_METHOD.match(name)
+            if m and m["preset"] in base and name not in rows:
+                b = base[m["preset"]]
+                rows[name] = PresetRow(b.preset, b.bits, h200_gbs=b.h200_gbs, cpu_gbs=b.cpu_gbs,
+                                       recompute=int(m["tokens"]))
+    return rows
+
+
 def build(quality: Path | None, retrieval: Path | None, h200: Path | None,
-          cpu: Path | None, presets: list[str] | None = None) -> list[PresetRow]:
-    """One row per preset from whichever result files exist (missing ones leave gaps)."""
+          cpu: Path | None, presets: list[str] | None = None,
+          recompute_quality: Path | None = None,
+          recompute_retrieval: Path | None = None) -> list[PresetRow]:
+    """One row per preset from whichever result files exist (missing ones leave gaps), then one
+    per preset + recomputed window that the recompute runs measured."""
     rows = {p: PresetRow(p, preset_bits(p)) for p in (presets or list_presets())}
     _quality(rows, _read(quality))
     _retrieval(rows, _read(retrieval))
     _h200(rows, _read(h200))
     _cpu(rows, _read(cpu))
-    for row in rows.values():
+    rq, rr = _read(recompute_quality), _read(recompute_retrieval)
+    windowed = _recompute_rows(rows, rq, rr)
+    _quality(windowed, rq)
+    _retrieval(windowed, rr)
+    every = [*rows.values(), *windowed.values()]
+    for row in every:
         _judge(row)
-    return sorted(rows.values(), key=lambda r: -r.bits)
+    return sorted(every, key=lambda r: (-r.bits, r.recompute))
 
 
 def use_when(row: PresetRow) -> str:
     """Which deployments the preset fits, from its bits and verdict."""
     if not row.recommended:
         return "-"
+    if row.recompute:
+        return "next-token fidelity first at the preset's ratio; D computes the window"
     if row.bits >= 6:
         return "accuracy first; links fast enough for ~2.5x"
     if row.bits >= 4:
@@ -192,7 +236,7 @@ def table_rows(rows: list[PresetRow]) -> list[list[str]]:
         kl_len = max(r.kl) if r.kl else None
         acc_len = max(r.accuracy) if r.accuracy else None
         out.append([
-            r.preset, f"{r.bits:.2f}", f"{r.ratio:.2f}x",
+            r.label, f"{r.bits:.2f}", f"{r.ratio:.2f}x",
             _fmt(r.kl.get(kl_len) if kl_len else None, ".4f"),
             _fmt(r.top1.get(kl_len) * 100 if kl_len else None, ".1f"),
             f"{r.pooled[0]:.0f}/{r.pooled[1]:.0f}" if r.pooled else "-",
@@ -215,12 +259,16 @@ def markdown(rows: list[PresetRow], sources: dict[str, str]) -> str:
     for r, cells in zip(rows, table_rows(rows)):
         lines.append("| " + " | ".join(cells + [use_when(r)]) + " |")
     lines += ["", "Why each verdict:", ""]
-    lines += [f"- `{r.preset}`: {r.verdict}." for r in rows]
+    lines += [f"- {r.config}: {r.verdict}." for r in rows]
     lines += ["", "Columns: b/e = bits per element at hd128, 8 KV heads, 256-token chunks, every "
               "wire byte counted; KL and top-1 at the longest prompt of the quality run; acc/exact "
               "= retrieval accuracy (%) of the preset / of the exact KV over every case of the "
               "retrieval run; NLL× = answer-token NLL over the exact KV's at its longest "
               "prompt; dense bf16 bytes "
               "per second, encode/decode (H200 in TB/s: Llama-3.1-8B 4k slice; CPU in GB/s: one "
-              "core, hd128). Sources: " + "; ".join(f"{k} `{v}`" for k, v in sources.items()) + "."]
+              "core, hd128). `+rN`: the preset with `recompute_recent_tokens: N`, measured by the "
+              "runs with a recomputed window (KL and top-1 at their longest prompt, retrieval "
+              "against their own exact KV); its b/e and speed are the preset's, per token sent "
+              "(the window's N tokens are not sent). Sources: "
+              + "; ".join(f"{k} `{v}`" for k, v in sources.items()) + "."]
     return "\n".join(lines) + "\n"
