@@ -72,6 +72,9 @@ def stub_vllm() -> None:
     class FullAttentionSpec(AttentionSpec):
         pass
 
+    class SlidingWindowSpec(AttentionSpec):
+        pass
+
     class MLAAttentionSpec(AttentionSpec):
         pass
 
@@ -87,8 +90,8 @@ def stub_vllm() -> None:
         kv_cache_groups: list
 
     kvi = _module("vllm.v1.kv_cache_interface")
-    for cls in (AttentionSpec, FullAttentionSpec, MLAAttentionSpec, KVCacheGroupSpec,
-                KVCacheConfig):
+    for cls in (AttentionSpec, FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec,
+                KVCacheGroupSpec, KVCacheConfig):
         setattr(kvi, cls.__name__, cls)
 
 
