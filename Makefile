@@ -95,6 +95,17 @@ demo: setup
 bench-e2e: setup
 	$(VENV)/bin/turbowire --log-level INFO bench e2e --out bench/e2e/out $(BENCH_E2E_ARGS)
 
+# vLLM's own client (`vllm bench serve`) through the P/D proxy on the same stack: NixlConnector vs
+# turbowire presets, random + ShareGPT-like datasets, concurrency 1/2/4/8, unshaped and 1 Gbit/s
+# (root, ~20 min): CSV, tables and a Pareto plot. BENCH_SERVE_ARGS=--dry-run shows the plan.
+# bench-multiround: multi-round QA, TTFT per round with and without the store (~5 min).
+.PHONY: bench-serve bench-multiround
+bench-serve: setup
+	$(VENV)/bin/turbowire bench serve --out bench/e2e/out/serve $(BENCH_SERVE_ARGS)
+
+bench-multiround: setup
+	$(VENV)/bin/turbowire bench multiround --out bench/e2e/out/multiround $(BENCH_MULTIROUND_ARGS)
+
 # The benchmarks run from the repository root as modules (python -m bench.X) against the installed
 # package: the venv's editable install, or on the GPU machine (python3 with torch + triton, no venv,
 # no network) `make gpu-install`, an offline install into GPU_SITE without dependencies or the C
@@ -127,6 +138,28 @@ bench-gpu-path: $(GPU_INSTALL)
 # (--configs), against 256-token chunks; ~2 min
 bench-block-chunks: $(GPU_INSTALL)
 	$(BENCH_PY) -m bench.block_chunks --out $${OUT:-bench/results/block_chunks} $(BENCH_BLOCK_CHUNKS_ARGS)
+
+# on a GPU machine: the P/D handoff on the connector's GPU path against NixlConnector-style and
+# contiguous dense READs, a producer and a consumer process with one NIXL agent each (issue 38;
+# the issue's matrix on two GPUs, an estimated 6 min on UCX's default transports from the one-GPU
+# smoke's timings; --devices 0,0 for a smoke on one; BENCH_GPU_PIPELINE_ARGS=--help: options).
+# NIXL comes from NIXL_SITE, unpacked there from NIXL_WHEELS when a nixl_cu1*-*.tar.xz (the
+# nixl_cu13 wheel's nixl_cu13, nixl_cu13.libs, .nixl_cu13.mesonpy.libs and dist-info, without
+# nixl_ep_cu13) and the nixl meta wheel are there (bench/gpu_pipeline/pack_nixl.sh makes both;
+# carry .whl). CPU smoke run (CI:
+# tests/unit/test_bench_gpu_pipeline_smoke.py): TW_BENCH_SMOKE=1 python -m bench.gpu_pipeline
+NIXL_SITE ?= /tmp/nixl-site
+NIXL_WHEELS ?= .whl
+NIXL_TARBALL = $(firstword $(wildcard $(NIXL_WHEELS)/nixl_cu1*-*.tar.xz))
+NIXL_META = $(firstword $(wildcard $(NIXL_WHEELS)/nixl-*-py3-none-any.whl))
+.PHONY: bench-gpu-pipeline
+bench-gpu-pipeline: $(GPU_INSTALL)
+	@if [ ! -e $(PY) ] && [ -n "$(NIXL_TARBALL)" ] && [ -n "$(NIXL_META)" ]; then \
+	  mkdir -p $(NIXL_SITE) && tar -xJf $(NIXL_TARBALL) -C $(NIXL_SITE) && \
+	  $(GPU_PYTHON) -m pip install -q --no-deps --no-index --upgrade --target $(NIXL_SITE) \
+	    $(NIXL_META); fi
+	$(if $(wildcard $(PY)),$(PY),PYTHONSAFEPATH=1 PYTHONPATH=$(GPU_SITE):$(NIXL_SITE):. $(GPU_PYTHON)) \
+	  -m bench.gpu_pipeline --out $${OUT:-bench/results/gpu_pipeline/latest} $(BENCH_GPU_PIPELINE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info .pytest_cache .hypothesis
