@@ -131,8 +131,17 @@ class MP:
         while len(self.files()) < before + len(keys):  # fs writes a temp file, then renames
             assert time.monotonic() < deadline, "L2 store did not finish"
             time.sleep(0.02)
-        deleted, skipped = self.sm.delete_l1_keys(keys)
-        assert (deleted, skipped) == (len(keys), 0)
+        # the file appears (rename) before the store thread drops its read lock on the L1
+        # copy: a locked key is skipped, a deleted one is a no-op on the next call (idempotent)
+        deleted = 0
+        while True:
+            gone, skipped = self.sm.delete_l1_keys(keys)
+            deleted += gone
+            if not skipped:
+                break
+            assert time.monotonic() < deadline, f"L1 copies still locked: {skipped}"
+            time.sleep(0.02)
+        assert deleted == len(keys)
 
     def load(self, keys: list[ObjectKey], layout: MemoryLayoutDesc
              ) -> tuple[list[bool], list[torch.Tensor | None]]:
