@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.gpu_path import fakes  # noqa: E402
+from bench.gpu_path.forward import stand_in_layers  # noqa: E402
 from turbowire.connector.coder import ChunkOffsets, CudaCoder, make_coder  # noqa: E402
 from turbowire.connector.metadata import SaveRequest, TurboWireConnectorMetadata  # noqa: E402
 from turbowire.connector.worker import TurboWireWorker  # noqa: E402
@@ -168,19 +169,9 @@ class Forward:
         self.x0 = torch.randn(self.tokens, h, generator=g, device=DEVICE).to(torch.bfloat16)
 
     def run(self, worker: TurboWireWorker | None, meta: Any) -> None:
-        h, kvh, hd = MODEL["hidden"], MODEL["kv_heads"], MODEL["head_dim"]
-        kv = kvh * hd
-        x = self.x0
-        for name, cache in self.caches.items():
-            qkv = x @ self.w["qkv"]
-            # vLLM's reshape_and_cache: token t into slot_mapping[t] of the layer's paged cache
-            cache[0].view(-1, kvh, hd).index_copy_(0, self.slot_mapping,
-                                                   qkv[:, h:h + kv].reshape(-1, kvh, hd))
-            cache[1].view(-1, kvh, hd).index_copy_(0, self.slot_mapping,
-                                                   qkv[:, h + kv:].reshape(-1, kvh, hd))
-            if worker is not None:
-                worker.save_kv_layer(name, cache, meta)
-            x = ((qkv[:, :h] @ self.w["o"]) @ self.w["gu"])[:, :MODEL["inter"]] @ self.w["d"]
+        stand_in_layers(self.caches, self.w, self.x0, self.slot_mapping, hidden=MODEL["hidden"],
+                        kv_heads=MODEL["kv_heads"], head_dim=MODEL["head_dim"],
+                        inter=MODEL["inter"], worker=worker, meta=meta)
         if worker is not None:
             worker.wait_for_save(meta)
 

@@ -20,25 +20,25 @@ from turbowire.connector.sidechannel.convert import StagingInfo
 
 @dataclass(frozen=True)
 class ProducerHello:
-    """What a prefill worker's handshake carries, as plain fields (picklable)."""
+    """What a prefill worker's handshake carries (picklable): its staging as the side channel
+    advertises it, and its compatibility record."""
 
     engine_id: str
-    agent_name: str
-    agent_metadata: bytes
-    base_addr: int
-    slot_bytes: int
-    num_slots: int
-    layer_offsets: tuple[int, ...]
-    device_id: int
-    mem_type: str
+    staging: StagingInfo
     record: Any  # the worker's CompatibilityRecord
+
+    @property
+    def mem_type(self) -> str:
+        return self.staging.mem_type
 
     @classmethod
     def of(cls, worker: Any) -> ProducerHello:
         meta = worker.handshake_metadata
-        return cls(worker.engine_id, meta.agent_name, bytes(meta.agent_metadata),
-                   meta.base_addr, meta.slot_bytes, meta.num_slots, tuple(meta.layer_offsets),
-                   meta.device_id, meta.mem_type, worker.record)
+        return cls(worker.engine_id,
+                   StagingInfo(meta.agent_name, bytes(meta.agent_metadata), meta.base_addr,
+                               meta.slot_bytes, meta.num_slots, tuple(meta.layer_offsets),
+                               meta.device_id, meta.mem_type),
+                   worker.record)
 
 
 class PipeSideChannel(FakeClient):
@@ -51,7 +51,4 @@ class PipeSideChannel(FakeClient):
 
     def handshake(self, record: Any, engine_id: str, tp_rank: int) -> PeerInfo:
         self.calls.append("handshake")
-        h = self.hello
-        staging = StagingInfo(h.agent_name, h.agent_metadata, h.base_addr, h.slot_bytes,
-                              h.num_slots, h.layer_offsets, h.device_id, h.mem_type)
-        return PeerInfo(h.engine_id, h.record, staging)
+        return PeerInfo(self.hello.engine_id, self.hello.record, self.hello.staging)

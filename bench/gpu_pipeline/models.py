@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from bench.gpu_path.forward import stand_in_layers
+
 BLOCK = 16  # tokens per KV block, as in bench/gpu_path
 
 
@@ -77,18 +79,9 @@ class Forward:
         """The layers (with the worker's per-layer saves when ``worker`` is given), then
         ``last_layer_done()``, then ``wait_for_save``."""
         m = self.model
-        h, kvh, hd = m.hidden, m.kv_heads, m.head_dim
-        kv = kvh * hd
-        x = self.x0
-        for name, cache in self.caches.items():
-            qkv = x @ self.w["qkv"]
-            cache[0].view(-1, kvh, hd).index_copy_(0, self.slot_mapping,
-                                                   qkv[:, h:h + kv].reshape(-1, kvh, hd))
-            cache[1].view(-1, kvh, hd).index_copy_(0, self.slot_mapping,
-                                                   qkv[:, h + kv:].reshape(-1, kvh, hd))
-            if worker is not None:
-                worker.save_kv_layer(name, cache, meta)
-            x = ((qkv[:, :h] @ self.w["o"]) @ self.w["gu"])[:, :m.inter] @ self.w["d"]
+        stand_in_layers(self.caches, self.w, self.x0, self.slot_mapping, hidden=m.hidden,
+                        kv_heads=m.kv_heads, head_dim=m.head_dim, inter=m.inter,
+                        worker=worker, meta=meta)
         last_layer_done()
         if worker is not None:
             worker.wait_for_save(meta)
