@@ -7,6 +7,7 @@ heavy dependencies (torch, vLLM, grpc) inside the command functions so ``turbowi
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 
 import typer
@@ -57,6 +58,42 @@ for _name in COMMAND_MODULES:
             raise
         continue
     _module.register(app)
+
+
+def reflow(doc: str) -> str:
+    """A command's docstring as help text: each prose paragraph on one line, the terminal wraps it
+    (rich help keeps single newlines, so lines broken at the source's width wrap twice at 80
+    columns); a paragraph with an indented line (examples) stays as written."""
+    out = []
+    for para in inspect.cleandoc(doc).split("\n\n"):
+        lines = para.split("\n")
+        if any(line[:1].isspace() for line in lines):
+            out.append("\n".join(_comment_above(line) for line in lines))
+        else:
+            out.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(out)
+
+
+def _comment_above(line: str, width: int = 76) -> str:
+    """An example line too wide for 80 columns with a trailing ``# comment``: the comment on a
+    line of its own above the command."""
+    command, sep, comment = line.partition("  # ")
+    if len(line) <= width or not sep:
+        return line
+    indent = line[: len(line) - len(line.lstrip())]
+    return f"{indent}# {comment.strip()}\n{command.rstrip()}"
+
+
+def _reflow_commands(typer_app: typer.Typer) -> None:
+    for info in typer_app.registered_commands:
+        if info.help is None and info.callback is not None and info.callback.__doc__:
+            info.help = reflow(info.callback.__doc__)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _reflow_commands(group.typer_instance)
+
+
+_reflow_commands(app)
 
 
 def main() -> None:

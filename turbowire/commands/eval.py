@@ -122,12 +122,12 @@ def register(app: typer.Typer) -> None:
 
           turbowire eval --markdown table.md --plot kl_vs_bits.png
 
-          turbowire eval --task retrieval --threads 2 --markdown r.md --plot r.png --json r.json
-          # 1k-8k, depths 0-100%, 2 cases per cell, all presets and anchors: ~30 min, 2 idle cores
+          # 1k-8k, depths 0-100%, 2 cases a cell, presets and anchors: ~30 min
+          turbowire eval --task retrieval --markdown r.md --plot r.png --json r.json
 
-          turbowire eval --task retrieval --lengths 1024,2048 --depths 0,50,100 --cases 2
+          turbowire eval --task retrieval --lengths 1024,2048 --depths 0,50,100
 
-          turbowire eval --task retrieval --lengths 512 --depths 50 --needles passkey --presets tq4
+          turbowire eval --task retrieval --lengths 512 --depths 50 --presets tq4
 
           turbowire eval --task layers --presets tq4,tq3,tq2 --plot layers.png   # minutes
 
