@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -75,7 +76,7 @@ def load_config(vllm_config: VllmConfig) -> TurboWireConfig:
     return config
 
 
-class TurboWireConnector(KVConnectorBase_V1):
+class TurboWireConnector(KVConnectorBase_V1, SupportsHMA):
     """Compressed P/D KV transfer: TurboQuant+ chunks staged on P, READ over NIXL by D."""
 
     _cache_hit_source = CacheHitSource.P2P
@@ -249,6 +250,14 @@ class TurboWireConnector(KVConnectorBase_V1):
             self._fallback("request_finished", request)
             self._forget(request, finished=True)
             return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager (``SupportsHMA``): the request finished in every KV
+        cache group. The same as ``request_finished``: what moves was encoded into staging
+        while the blocks were held, so no group's blocks are kept."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

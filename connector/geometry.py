@@ -42,6 +42,9 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int
     is_draft: bool = False
+    #: the KV cache group whose block table holds this layer's blocks (vLLM's hybrid KV cache
+    #: manager gives sliding-window and full-attention layers separate tables)
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,11 @@ class KVGeometry:
         return len(self.layers)
 
     @property
+    def num_groups(self) -> int:
+        """KV cache groups, each with its own block table (1 without the hybrid manager)."""
+        return max(layer.group for layer in self.layers) + 1
+
+    @property
     def head_dim(self) -> int:
         return self.layers[0].head_dim
 
@@ -96,28 +104,23 @@ class KVGeometry:
         kv_cache_config: KVCacheConfig,
         is_draft: Callable[[str], bool] = lambda name: False,
     ) -> KVGeometry:
-        """Collect the attention layers of the KV cache group, in model order.
+        """Collect the attention layers of every KV cache group, in model order.
 
-        Served: full attention; sliding-window layers beside full ones (Gemma 2/3: vLLM
-        promotes them to full-attention allocation, every block is kept, so every block moves);
-        a model whose every layer slides (a ``SlidingWindowSpec`` group: vLLM frees the blocks
-        the window leaves, ``frees_out_of_window``). Refused with the reason: MLA latents,
-        Mamba/linear-attention state and other cache kinds, and several KV cache groups (the
-        hybrid allocator, which vLLM turns off for a connector without ``SupportsHMA``)."""
+        Served: full attention; sliding-window layers beside full ones, either in one group
+        (the hybrid KV cache manager off: vLLM promotes them to full-attention allocation, every
+        block is kept, so every block moves) or in groups of their own (the manager on: each
+        layer takes its blocks from its group's table, and a sliding window's freed blocks do
+        not move); a model whose every layer slides (a ``SlidingWindowSpec`` group: vLLM frees
+        the blocks the window leaves, ``frees_out_of_window``). Refused with the reason: MLA
+        latents, Mamba/linear-attention state and other cache kinds."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) > 1:
-            kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
-            raise GeometryError(
-                f"the KV cache has {len(groups)} groups ({kinds}): turbowire moves one group "
-                "(vLLM's hybrid KV cache manager is off for connectors without SupportsHMA)"
-            )
         layers: list[LayerSpec] = []
         block_sizes: set[int] = set()
         dtypes: set[str] = set()
         frees = False
-        for group in groups:
+        for group_index, group in enumerate(groups):
             spec: Any = group.kv_cache_spec
             # exact types: subclasses (MLA, sinks, R-SWA's middle gap) lay out or free blocks
             # in ways this connector does not follow
@@ -138,12 +141,14 @@ class KVGeometry:
                         num_kv_heads=spec.num_kv_heads,
                         head_dim=spec.head_size,
                         is_draft=is_draft(name),
+                        group=group_index,
                     )
                 )
         if len(block_sizes) != 1 or len(dtypes) != 1:
             raise GeometryError(
                 f"KV cache groups disagree on block size {sorted(block_sizes)} or dtype "
-                f"{sorted(dtypes)}; turbowire needs one of each"
+                f"{sorted(dtypes)}; turbowire needs one of each (with the hybrid KV cache "
+                "manager on, --disable-hybrid-kv-cache-manager puts every layer in one group)"
             )
         layers.sort(key=lambda layer: layer_sort_key(layer.name))
         return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop(),

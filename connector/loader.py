@@ -48,7 +48,13 @@ from turbowire.connector.loader_peers import (  # noqa: F401 - the loader's erro
 )
 from turbowire.connector.loader_reads import ReadPipeline, likely_runs
 from turbowire.connector.metadata import LoadReport, LoadRequest
-from turbowire.connector.read_plan import ReadRows, chunk_sizes, layer_groups, read_rows
+from turbowire.connector.read_plan import (
+    ReadRows,
+    chunk_sizes,
+    held_chunks,
+    layer_groups,
+    read_rows,
+)
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import P2P_LABEL, TurboWireConnectorStats
 from turbowire.connector.transports.base import Transfer, Transport
@@ -283,7 +289,7 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
             raise LoadFailed(
                 "bounds", f"staging slots {bad[:5]} outside the peer's {staging.num_slots}"
             )
-        bad_local = [b for b in load.block_ids
+        bad_local = [b for table in (load.group_tables or [load.block_ids]) for b in table
                      if b != NO_BLOCK and not 0 <= b < self._num_local_blocks]
         if bad_local:
             raise LoadFailed("bounds", f"local block ids {bad_local[:5]} out of range")
@@ -293,6 +299,12 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         n_layers = self.geometry.num_layers
         groups = layer_groups(n_layers, self.config.decode_pipeline_groups)
         sizes = chunk_sizes(load.blocks, n_layers, self._chunk_nbytes)
+        if load.group_tables:  # several KV cache groups: a group's freed blocks do not move
+            if len(load.group_tables) != self.geometry.num_groups:
+                raise LoadFailed("bounds", f"{len(load.group_tables)} block tables for "
+                                           f"{self.geometry.num_groups} KV cache groups")
+            sizes *= held_chunks(load.blocks, load.group_tables,
+                                 [layer.group for layer in self.geometry.layers])
         flat = sizes.reshape(-1)
         ends = flat.cumsum()
         cursor = int(ends[-1]) if ends.size else 0

@@ -16,7 +16,13 @@ import numpy as np
 
 from turbowire.connector import probe
 from turbowire.connector.loader_peers import LoadFailed
-from turbowire.connector.transports.base import Transfer, TransferState, Transport, TransportError
+from turbowire.connector.transports.base import (
+    NothingToRead,
+    Transfer,
+    TransferState,
+    Transport,
+    TransportError,
+)
 
 if TYPE_CHECKING:
     from turbowire.connector.loader import LoadJob
@@ -123,6 +129,10 @@ class ReadPipeline:
                    groups: int) -> None:
         """One READ carrying the next ``groups`` layer groups (``job.xfers`` holds it once per
         group)."""
+        if not len(local):  # no chunk of these layers moves (sliding-window groups)
+            job.xfers.extend([NothingToRead()] * groups)
+            job.decoded.extend([False] * groups)
+            return
         try:
             xfer = self._transport.read(job.peer_agent, local, remote, self.mem_type)
         except TransportError:

@@ -39,6 +39,12 @@ class SaveRequest:
     request_id: str
     block_ids: list[int]
     blocks: list[SaveBlock]
+    #: with several KV cache groups, every group's table (``block_ids`` is group 0's)
+    group_tables: list[list[int]] = field(default_factory=list)
+
+    def table(self, group: int) -> list[int]:
+        """The block table of the layers of KV cache group ``group``."""
+        return self.group_tables[group] if self.group_tables else self.block_ids
 
 
 @dataclass
@@ -82,6 +88,8 @@ class LoadRequest:
     blocks: list[LoadBlock]
     preset: str
     block_ids: list[int] = field(default_factory=list)  # local block of request block i
+    #: with several KV cache groups, every group's table (``block_ids`` is group 0's)
+    group_tables: list[list[int]] = field(default_factory=list, kw_only=True)
     lease_token: str = field(default="", repr=False, kw_only=True)
     # the prefill engine's lease (``turbowire_lease_seconds`` of the params, not this engine's
     # config): the handshake and the claim are retried only while that lease may still hold
@@ -97,6 +105,10 @@ class LoadRequest:
     @property
     def release_only(self) -> bool:
         return not self.blocks and not self.fail_reason
+
+    def table(self, group: int) -> list[int]:
+        """The block table of the layers of KV cache group ``group``."""
+        return self.group_tables[group] if self.group_tables else self.block_ids
 
 
 @dataclass

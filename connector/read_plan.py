@@ -16,6 +16,7 @@ import numpy as np
 
 from turbowire.connector.coder.base import ChunkOffsets
 from turbowire.connector.metadata import LoadBlock
+from turbowire.kernels import NO_BLOCK
 
 
 def layer_groups(num_layers: int, groups: int) -> list[range]:
@@ -47,6 +48,17 @@ def chunk_sizes(blocks: Sequence[LoadBlock], num_layers: int,
     return sizes
 
 
+def held_chunks(blocks: Sequence[LoadBlock], tables: Sequence[Sequence[int]],
+                layer_group: Sequence[int]) -> np.ndarray:
+    """Which chunks a load needs, [layers, blocks]: with several KV cache groups a layer's
+    chunk of a block is read only where its group's table holds the block (a sliding window's
+    freed blocks are ``NO_BLOCK`` there, and its layers' chunks of them never move)."""
+    index = np.array([b.index for b in blocks], dtype=np.int64)
+    held = np.stack([np.asarray(table, dtype=np.int64)[index] != NO_BLOCK
+                     for table in tables]) if index.size else np.zeros((len(tables), 0), bool)
+    return held[np.asarray(layer_group, dtype=np.int64)]
+
+
 @dataclass
 class ReadRows:
     """The (addr, len, dev) rows of every chunk, local and remote, layer-major."""
@@ -70,16 +82,18 @@ def read_rows(offsets: ChunkOffsets, slots: Sequence[int], local_base: int, loca
               remote_device: int) -> ReadRows:
     """The descriptor rows of a load whose chunks land at ``local_base + offsets`` and are read
     from the peer's staging slots ``slots`` (``remote_base + slot * slot_bytes + layer
-    offset``)."""
+    offset``). A chunk of 0 bytes (one the load does not need) gets no row."""
     flat = offsets.sizes.reshape(-1)
     n = offsets.sizes.shape[1]
     slot_arr = np.array(slots, dtype=np.int64)
     remote_addr = (remote_base + slot_arr[None, :] * slot_bytes
                    + np.array(layer_offsets, dtype=np.int64)[:, None]).reshape(-1)
     local_addr = local_base + offsets.offsets.reshape(-1)
+    keep = flat > 0
+    before = np.concatenate([[0], np.cumsum(keep)])  # rows kept before each chunk
     local = np.stack([local_addr, flat, np.full(flat.size, local_device, np.int64)],
-                     axis=1).astype(np.uint64)
+                     axis=1)[keep].astype(np.uint64)
     remote = np.stack([remote_addr, flat, np.full(flat.size, remote_device, np.int64)],
-                      axis=1).astype(np.uint64)
-    rows = [layers.start * n for layers in offsets.groups] + [flat.size]
+                      axis=1)[keep].astype(np.uint64)
+    rows = [int(before[layers.start * n]) for layers in offsets.groups] + [int(before[-1])]
     return ReadRows(local, remote, rows)

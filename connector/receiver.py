@@ -124,28 +124,34 @@ class Receiver(Heartbeats):
         first_token = total - num_external_tokens
         first_block = first_token // self.block_size
         last_block = blocks_for_tokens(total, self.block_size)
-        group = blocks.blocks[0]
-        if len(group) < last_block:
+        groups = blocks.blocks
+        allocated = min(len(group) for group in groups)
+        if allocated < last_block:
             logger.error(
                 "request %s: %d local blocks allocated, %d needed; loading nothing",
-                req_id, len(group), last_block,
+                req_id, allocated, last_block,
             )
             self._queue(_load_request(req_id, remote, peer, []))
             return
+        tables = [[NO_BLOCK if b.is_null else b.block_id for b in group[:last_block]]
+                  for group in groups]
         load_blocks = [
             LoadBlock(
                 index=i,
-                block_id=group[i].block_id,
+                block_id=tables[0][i],
                 num_tokens=tokens_in_block(i, total, self.block_size),
                 slot=remote.slots[i],
                 tag=block_tag(remote.request_id, i),
             )
             for i in range(first_block, last_block)
-            # a sliding window's blocks vLLM freed (its null block in the table): never read
-            if not group[i].is_null
+            # a sliding window's blocks vLLM freed (its null block in the table) are never
+            # read; with several groups a block moves for the groups that still hold it
+            if any(table[i] != NO_BLOCK for table in tables)
         ]
-        table = [NO_BLOCK if b.is_null else b.block_id for b in group[:last_block]]
-        self._queue(_load_request(req_id, remote, peer, load_blocks, table, prompt=claim))
+        load = _load_request(req_id, remote, peer, load_blocks, tables[0], prompt=claim)
+        if len(tables) > 1:
+            load.group_tables = tables
+        self._queue(load)
 
     def finished(self, request: Request, drafts: Any) -> dict[str, Any] | None:
         """The finished request's params (its load report), after queueing the release of a

@@ -72,7 +72,7 @@ class TurboWireScheduler:
         mac_key = params_mac_key(config.auth_token) if config.auth_token else None
         self.sender = Sender(
             config, setup, engine_id=engine_id, side_channel_port=self.side_channel_port,
-            stats=self.stats, mac_key=mac_key, block_ids=self._request_block_ids,
+            stats=self.stats, mac_key=mac_key, block_tables=self._request_tables,
         )
         self.pool = self.sender.pool
         self.speculative = setup.speculative
@@ -146,12 +146,16 @@ class TurboWireScheduler:
             )
             self._maintenance.start()
 
-    def _request_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table; the blocks a sliding window left (vLLM's null block,
-        which stands in for each of them) are ``NO_BLOCK``."""
+    def _request_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table of each KV cache group; the blocks a sliding window left
+        (vLLM's null block, which stands in for each of them) are ``NO_BLOCK``."""
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        blocks = self._kv_cache_manager.get_blocks(request_id).blocks[0]
-        return [NO_BLOCK if b.is_null else b.block_id for b in blocks]
+        groups = self._kv_cache_manager.get_blocks(request_id).blocks
+        return [[NO_BLOCK if b.is_null else b.block_id for b in blocks] for blocks in groups]
+
+    def _request_block_ids(self, request_id: str) -> list[int]:
+        """The block table of the first KV cache group (the store path serves one group)."""
+        return self._request_tables(request_id)[0]
 
     def shutdown(self) -> None:
         self._stop.set()

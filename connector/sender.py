@@ -61,7 +61,7 @@ class Sender:
         side_channel_port: int,
         stats: TurboWireConnectorStats,
         mac_key: bytes | None,
-        block_ids: Callable[[str], list[int]],
+        block_tables: Callable[[str], list[list[int]]],
     ) -> None:
         self.config = config
         self.engine_id = engine_id
@@ -76,7 +76,7 @@ class Sender:
         self.record = setup.record
         self.prefill_backoff = setup.prefill_backoff
         self._mac_key = mac_key
-        self._block_ids = block_ids
+        self._block_tables = block_tables
         share = config.staging_request_share
         self.pool = StagingPool(
             self.layout.num_slots, config.lease_seconds, on_refused=self._lease_refused,
@@ -150,7 +150,8 @@ class Sender:
             state.fallback = "internal"
             self.stats.record_failure("internal")
             return None
-        block_ids = self._block_ids(request.request_id)
+        tables = self._block_tables(request.request_id)
+        block_ids = tables[0]
         blocks = []
         for i, slot in zip(new, slots, strict=True):
             n = tokens_in_block(i, prompt_len, self.block_size)
@@ -170,7 +171,10 @@ class Sender:
             state.dense_bytes += n * self.geometry.dense_bytes_per_token(self._element_size())
         state.encoded_blocks = target_blocks
         self.publish_gauges()
-        return SaveRequest(request.request_id, list(block_ids[:target_blocks]), blocks)
+        return SaveRequest(
+            request.request_id, list(block_ids[:target_blocks]), blocks,
+            group_tables=[list(t[:target_blocks]) for t in tables] if len(tables) > 1 else [],
+        )
 
     def finish(self, req_id: str) -> tuple[bool, dict[str, Any] | None]:
         """Whether ``req_id`` was a staged request and, if so, the params for its decode

@@ -71,11 +71,13 @@ class EngineSetup:
         ktc = vllm_config.kv_transfer_config
         store_scope = None
         if config.uses_store:
-            if geometry.frees_out_of_window:
+            if geometry.frees_out_of_window or geometry.num_groups > 1:
                 raise ConnectorConfigError(
-                    "transport 'store' does not serve a model whose every layer has a sliding "
-                    "window: vLLM frees the blocks the window leaves, and a stored chunk spans "
-                    "them. Use transport 'nixl'"
+                    "transport 'store' does not serve sliding-window layers whose blocks vLLM "
+                    "frees (a model whose every layer has a sliding window, or the hybrid KV "
+                    "cache manager's sliding-window group): a stored chunk spans them. Use "
+                    "transport 'nixl', or for a model with full-attention layers too, "
+                    "--disable-hybrid-kv-cache-manager"
                 )
             if config.store_chunk_tokens % geometry.block_size:
                 fit = max(1, config.store_chunk_tokens // geometry.block_size) * geometry.block_size

@@ -152,11 +152,19 @@ class InlineExecutor:
 def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_size: int,
                      num_kv_heads: int, head_size: int, num_blocks: int, engine_id: str,
                      kv_role: str = "kv_both", dtype: torch.dtype = torch.bfloat16,
-                     forward_context: dict[str, Any] | None = None):
+                     forward_context: dict[str, Any] | None = None,
+                     sliding: tuple[str, ...] = ()):
     """(vllm_config, kv_cache_config) as vLLM hands them to a connector: the parts it reads.
-    ``forward_context``: vLLM's attention layers by name (an fp8 cache's k/v scales)."""
+    ``forward_context``: vLLM's attention layers by name (an fp8 cache's k/v scales).
+    ``sliding``: layers in a second KV cache group of sliding-window layers (a window of two
+    blocks), as vLLM's hybrid KV cache manager groups them."""
     from vllm.config import KVTransferConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     ktc = KVTransferConfig(kv_connector="TurboWireConnector", kv_role=kv_role,
                            kv_connector_extra_config=extra, engine_id=engine_id)
@@ -168,8 +176,12 @@ def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_siz
         compilation_config=SimpleNamespace(static_forward_context=forward_context or {}))
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
                              head_size=head_size, dtype=dtype)
-    kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+    groups = [KVCacheGroupSpec([n for n in layer_names if n not in sliding], spec)]
+    if sliding:
+        groups.append(KVCacheGroupSpec(list(sliding), SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+            sliding_window=2 * block_size)))
+    kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     return vcfg, kcfg
 
 

@@ -52,13 +52,15 @@ def layer_names(n: int) -> list[str]:
 # workers, built as vLLM builds them, on fakes.py's stand-ins
 # ------------------------------------------------------------------------------------------
 def make_worker(preset: str, role: str, engine_id: str, num_blocks: int, pool_bytes: int,
-                layers: int, heads: int, dim: int, groups: int = 8) -> TurboWireWorker:
-    """A worker from stand-ins of vLLM's config objects, through its own constructor."""
+                layers: int, heads: int, dim: int, groups: int = 8,
+                sliding: tuple[str, ...] = ()) -> TurboWireWorker:
+    """A worker from stand-ins of vLLM's config objects, through its own constructor;
+    ``sliding``: layers in a second KV cache group (vLLM's hybrid KV cache manager)."""
     extra = {"preset": preset, "staging_bytes": pool_bytes, "recv_bytes": pool_bytes,
              "decode_pipeline_groups": groups, "nixl_progress_delay_us": 0}
     return fakes.build_worker(extra, layer_names(layers), engine_id=engine_id, kv_role=role,
                               block_size=BLOCK, num_kv_heads=heads, head_size=dim,
-                              num_blocks=num_blocks)
+                              num_blocks=num_blocks, sliding=sliding)
 
 
 def use_coder(w: TurboWireWorker, schedule: str = "layerwise",

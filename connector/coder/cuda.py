@@ -48,6 +48,7 @@ from turbowire.connector.coder.base import BlobPlan, ChunkOffsets, check_sizes
 from turbowire.connector.coder.cuda_load import CudaDecoder, PendingGroup
 from turbowire.errors import TurboWireError
 from turbowire.kernels import (
+    NO_BLOCK,
     BlockIndexError,
     ChunkSet,
     EncodeLayersPlan,
@@ -72,6 +73,7 @@ class Family:
 
     layers: list[int]
     layout: Any
+    group: int = 0  # the KV cache group whose block table the layers use
 
 
 @dataclass
@@ -132,8 +134,9 @@ class CudaCoder:
         fams: dict[tuple[Any, ...], Family] = {}
         for layer, cache in enumerate(caches.tensors):
             lay = caches.layouts[layer]
-            key = (cache.dtype, lay, tuple(lay.views(cache)[0].stride()))
-            fams.setdefault(key, Family([], lay)).layers.append(layer)
+            group = geometry.layers[layer].group
+            key = (group, cache.dtype, lay, tuple(lay.views(cache)[0].stride()))
+            fams.setdefault(key, Family([], lay, group)).layers.append(layer)
         self.families = list(fams.values())
         self._noted: tuple[Any, list[int]] | None = None  # (meta, layers) before the plan
         self._step: SaveStep | None = None
@@ -147,29 +150,46 @@ class CudaCoder:
     def _build_step(self, meta: Any) -> SaveStep:
         assert self.staging is not None and self.layout is not None
         bs = self.geometry.block_size
-        req, start, tokens, slots, tags = [], [], [], [], []
-        for r, save in enumerate(meta.saves):
-            for b in save.blocks:
-                req.append(r)
-                start.append(b.index * bs)
-                tokens.append(b.num_tokens)
-                slots.append(b.slot)
-                tags.append(b.tag)
-        chunks = ChunkSet([s.block_ids for s in meta.saves], req, start, tokens, tags)
-        slot = np.array(slots, dtype=np.int64)
-        if slot.size and (slot.min() < 0 or slot.max() >= self.layout.num_slots):
-            bad = slot[(slot < 0) | (slot >= self.layout.num_slots)][:5].tolist()
+        all_slots = np.array([b.slot for save in meta.saves for b in save.blocks], np.int64)
+        if all_slots.size and (all_slots.min() < 0 or all_slots.max() >= self.layout.num_slots):
+            bad = all_slots[(all_slots < 0) | (all_slots >= self.layout.num_slots)][:5].tolist()
             raise IndexError(f"staging slot {bad} out of range [0, {self.layout.num_slots})")
-        if np.unique(slot).size != slot.size:
+        if np.unique(all_slots).size != all_slots.size:
             raise BlockIndexError("two blocks of one step are staged into the same slot")
         offs = np.array(self.layout.layer_offsets, dtype=np.int64)
-        out = slot[None, :] * self.layout.slot_bytes + offs[:, None]  # [layers, chunks]
+        per_group: dict[int, tuple[ChunkSet, np.ndarray]] = {}
+
+        def group_chunks(group: int) -> tuple[ChunkSet, np.ndarray]:
+            """The step's chunks of the blocks ``group``'s table still holds (every block with
+            one KV cache group; a sliding window's freed blocks are not staged) and their
+            slots."""
+            if group not in per_group:
+                req, start, tokens, slots, tags = [], [], [], [], []
+                for r, save in enumerate(meta.saves):
+                    table = save.table(group)
+                    for b in save.blocks:
+                        if table[b.index] == NO_BLOCK:
+                            continue
+                        req.append(r)
+                        start.append(b.index * bs)
+                        tokens.append(b.num_tokens)
+                        slots.append(b.slot)
+                        tags.append(b.tag)
+                per_group[group] = (
+                    ChunkSet([s.table(group) for s in meta.saves], req, start, tokens, tags),
+                    np.array(slots, dtype=np.int64))
+            return per_group[group]
+
         plans = []
         where: dict[int, tuple[int, int]] = {}
         wire = 0
-        _, inv = chunks.size_keys()
-        _, reps = np.unique(inv, return_index=True)  # one chunk of each size key
         for fam in self.families:
+            chunks, slot = group_chunks(fam.group)
+            if not slot.size:  # no block of the step is held by these layers' group
+                continue
+            out = slot[None, :] * self.layout.slot_bytes + offs[:, None]  # [layers, chunks]
+            _, inv = chunks.size_keys()
+            _, reps = np.unique(inv, return_index=True)  # one chunk of each size key
             plan = EncodeLayersPlan(
                 self.codec, fam.layers, [self.caches.tensors[i] for i in fam.layers],
                 fam.layout, chunks, out[fam.layers], self.staging, self.kernel_config,
@@ -186,7 +206,8 @@ class CudaCoder:
                 where[layer] = (len(plans), pos)
             wire += plan.total_bytes
             plans.append((plan, fam.layers))
-        return SaveStep(meta, plans, where, int(chunks.tokens.sum()), wire)
+        tokens = sum(b.num_tokens for save in meta.saves for b in save.blocks)
+        return SaveStep(meta, plans, where, tokens, wire)
 
     def _step_for(self, meta: Any) -> SaveStep:
         step = self._step
@@ -226,8 +247,9 @@ class CudaCoder:
                 return
             layers = todo
         for layer in layers:
-            p, pos = step.where[layer]
-            step.plans[p][0].launch_layer(pos)
+            if layer in step.where:  # else its group holds none of the step's blocks
+                p, pos = step.where[layer]
+                step.plans[p][0].launch_layer(pos)
             step.launched.add(layer)
 
     def save_layer(self, layer: int, meta: Any) -> None:

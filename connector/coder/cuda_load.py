@@ -28,7 +28,7 @@ import numpy as np
 from turbowire.connector import probe
 from turbowire.connector.coder.base import ChunkOffsets
 from turbowire.connector.coder.cuda_graphs import Captured, DecodeGraphs, Launch, Ranges
-from turbowire.kernels import BlockIndexError, ChunkSet, DecodeLayersPlan
+from turbowire.kernels import NO_BLOCK, BlockIndexError, ChunkSet, DecodeLayersPlan
 
 if TYPE_CHECKING:
     import torch
@@ -73,14 +73,26 @@ class CudaDecoder:
             bad = next(b.index for b in load.blocks
                        if not 0 <= b.index < len(table) or table[b.index] != b.block_id)
             raise BlockIndexError(f"block table does not map block {bad}")
-        cset = ChunkSet([table], np.zeros(idx.size, np.int64), idx * bs,
-                        [b.num_tokens for b in load.blocks], [b.tag for b in load.blocks])
+        tokens = np.array([b.num_tokens for b in load.blocks], dtype=np.int64)
+        tags = np.array([b.tag for b in load.blocks], dtype=np.uint64)
+        per_group: dict[int, tuple[ChunkSet, np.ndarray]] = {}
         plans = []
         for fam in coder.families:
+            if fam.group not in per_group:
+                # the blocks this group's table holds (every loaded block with one group)
+                gtab = np.asarray(load.table(fam.group), dtype=np.int64)
+                held = np.flatnonzero(gtab[idx] != NO_BLOCK) if idx.size else idx
+                per_group[fam.group] = (ChunkSet(
+                    [gtab], np.zeros(held.size, np.int64), idx[held] * bs, tokens[held],
+                    tags[held]), held)
+            cset, held = per_group[fam.group]
+            if not held.size:  # none of the load's blocks is held by these layers' group
+                continue
+            rows = np.asarray(fam.layers)[:, None]
             plans.append((DecodeLayersPlan(
                 coder.codec, fam.layers, [coder.caches.tensors[i] for i in fam.layers],
-                fam.layout, cset, recv_offset + chunks.offsets[fam.layers],
-                chunks.sizes[fam.layers], self.recv, coder.kernel_config,
+                fam.layout, cset, recv_offset + chunks.offsets[rows, held[None, :]],
+                chunks.sizes[rows, held[None, :]], self.recv, coder.kernel_config,
                 [coder.scales(i) for i in fam.layers],
             ), fam.layers))
         return LoadPlans(load, recv_offset, plans, set(range(coder.geometry.num_layers)))

@@ -20,6 +20,7 @@ from turbowire.connector import probe
 from turbowire.connector.coder.base import BlobPlan, ChunkOffsets, DoneDecode, check_sizes
 from turbowire.errors import TurboWireError
 from turbowire.kernels import (
+    NO_BLOCK,
     BlockIndexError,
     DecodeItem,
     EncodeItem,
@@ -130,11 +131,13 @@ class HostCoder:
                     self._encode_layer(layer, meta.saves)
             wait_for_device(self.device)
         tokens = wire = 0
+        groups = [layer.group for layer in self.geometry.layers]
         for save in meta.saves:
             for block in save.blocks:
                 tokens += block.num_tokens
                 wire += sum(self.chunk_nbytes(layer, block.num_tokens, block.index)
-                            for layer in range(self.geometry.num_layers))
+                            for layer in range(self.geometry.num_layers)
+                            if save.table(groups[layer])[block.index] != NO_BLOCK)
         self._done.clear()
         self._steps.append(self._seconds)
         self._seconds = 0.0
@@ -148,9 +151,13 @@ class HostCoder:
         assert self.staging is not None and self.layout is not None
         items, promised = [], []
         bs = self.geometry.block_size
+        group = self.geometry.layers[layer].group
         for save in saves:
+            table = save.table(group)
             for block in save.blocks:
-                items.append(EncodeItem(block_ids=save.block_ids, token_start=block.index * bs,
+                if table[block.index] == NO_BLOCK:  # its group no longer holds it: not staged
+                    continue
+                items.append(EncodeItem(block_ids=table, token_start=block.index * bs,
                                         num_tokens=block.num_tokens,
                                         out_offset=self.layout.chunk_offset(block.slot, layer),
                                         tag=block.tag))
@@ -178,9 +185,12 @@ class HostCoder:
                 raise BlockIndexError(f"block table does not map block {block.index}")
         for layer in layers:
             items = []
+            group_table = load.table(self.geometry.layers[layer].group)
             for bi, block in enumerate(load.blocks):
+                if group_table[block.index] == NO_BLOCK:  # not held by this layer's group
+                    continue
                 off, size = chunks[(bi, layer)]
-                items.append(DecodeItem(block_ids=table, token_start=block.index * bs,
+                items.append(DecodeItem(block_ids=group_table, token_start=block.index * bs,
                                         num_tokens=block.num_tokens, in_offset=recv_offset + off,
                                         nbytes=size, expected_tag=block.tag))
             decode_into(self.codec, layer, self.caches.tensors[layer],

@@ -32,6 +32,17 @@ class Transfer(Protocol):
     def release(self) -> None: ...
 
 
+class NothingToRead:
+    """The transfer of a READ with no rows (every chunk of its layers stays on the peer): done
+    at once, nothing posted."""
+
+    def state(self) -> TransferState:
+        return TransferState.DONE
+
+    def release(self) -> None:
+        pass
+
+
 class Transport(Protocol):
     """Moves byte ranges between registered memory of two engines."""
 

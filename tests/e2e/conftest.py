@@ -99,15 +99,17 @@ class PDStack:
 def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
                 extra: dict | None = None, block_size: int = BLOCK_SIZE,
                 dtype: str = "bfloat16", env: dict[str, str] | None = None,
+                extra_args: tuple[str, ...] = (),
                 ) -> tuple[ProcessGroup, PDStack]:
     """A prefill engine (core 0, ``kv_producer``), a decode engine (core 1, ``kv_consumer``)
     and the proxy, warmed up: the roles of a normal P/D deployment. ``dtype``
-    is the engines' ``--dtype``; ``env`` is added to both engines' environment."""
+    is the engines' ``--dtype``; ``env`` is added to both engines' environment, ``extra_args``
+    to both command lines."""
     group = ProcessGroup()
     try:
         common = dict(kvcache_gib=1, block_size=block_size, max_model_len=2048, max_num_seqs=8,
                       max_num_batched_tokens=1024, served_model_name=MODEL_NAME, dtype=dtype,
-                      env=dict(env or {}))
+                      env=dict(env or {}), extra_args=tuple(extra_args))
         cfg = dict(preset=preset, staging_bytes=staging_bytes, lease_seconds=10,
                    **(extra or {}))
         p = group.add(start_engine(EngineSpec(

@@ -4,21 +4,27 @@ greedy output equals the prefill engine answering alone; with ``tq4`` a completi
 from the loaded (compressed) KV. The prompts are longer than the 64-token window, so windows
 slide:
 
-* Gemma-2/3 interleave sliding-window and full layers. vLLM gives every layer full-attention
-  blocks then (its hybrid allocator is off with a connector), so every block moves.
-* The Mistral-style model slides on every layer: vLLM frees the blocks the window leaves (its
-  null block takes their place in both engines' tables), so only the blocks still in the
-  window move, and the decode engine never writes its null block.
+* Gemma-2/3 interleave sliding-window and full layers. The connector supports vLLM's hybrid KV
+  cache manager (``SupportsHMA``), so vLLM keeps it on: the sliding layers get a KV cache group
+  of their own, whose table frees the blocks the window leaves. Every block moves for the full
+  layers, only the blocks still in the window for the sliding ones. With the manager off
+  (``--disable-hybrid-kv-cache-manager``) vLLM gives every layer full-attention blocks, and
+  every block moves for every layer.
+* The Mistral-style model slides on every layer (one group): vLLM frees the blocks the window
+  leaves (its null block takes their place in both engines' tables), so only the blocks still
+  in the window move, and the decode engine never writes its null block.
 
-Refusals (MLA, several KV cache groups) are in tests/unit/connector/test_geometry_kinds.py."""
+Refusals (MLA, Mamba/linear-attention state) are in tests/unit/connector/test_geometry_kinds.py
+and below (a hybrid model at start)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import BLOCK_SIZE, start_stack
 from test_connector_e2e_raw import pd, prompt_ids, single, staging_bytes_for
-from test_presets_e2e import wire_bytes
+from test_presets_e2e import HEAD_DIM, KV_HEADS
 
+from turbowire.codec import Codec
 from turbowire.models import TINY_WINDOW, ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -28,31 +34,52 @@ LAYERS = 4  # every tiny architecture model (2 KV heads x head_dim 64, as the ti
 # step, so the prefill engine saves its last blocks after vLLM freed the first ones
 PROMPTS = (40, 7 * BLOCK_SIZE + 5, 1100)
 assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
+ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "mistral-swa")  # README's "real engines" rows
+SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "mistral-swa": (0, 1, 2, 3)}  # tiny models
+NO_HMA = ("--disable-hybrid-kv-cache-manager",)
 
 
-def moved_blocks(arch: str, n: int) -> range:
-    """The blocks of an n-token prompt the decode engine loads: all of them, except where every
-    layer slides: then vLLM keeps those from the one holding token n - window + 1 on (its
-    ``SlidingWindowManager.get_num_skipped_tokens``)."""
-    skipped = max(0, n - TINY_WINDOW + 1) // BLOCK_SIZE if arch == "mistral-swa" else 0
-    return range(skipped, -(-n // BLOCK_SIZE))
+def moved_blocks(arch: str, n: int, hma: bool) -> list[range]:
+    """Per layer, the blocks of an n-token prompt the decode engine loads: all of them, but for
+    a sliding layer whose blocks vLLM frees (every layer slides, or the hybrid manager gives the
+    sliding layers their own group): then those from the one holding token n - window + 1 on
+    (``SlidingWindowManager.get_num_skipped_tokens``)."""
+    every = range(-(-n // BLOCK_SIZE))
+    frees = arch == "mistral-swa" or (hma and arch in SLIDING)
+    skipped = max(0, n - TINY_WINDOW + 1) // BLOCK_SIZE
+    return [range(skipped, every.stop) if frees and layer in SLIDING[arch] else every
+            for layer in range(LAYERS)]
 
 
-@pytest.mark.parametrize("preset", ["raw", "tq4"])
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mistral-swa"])
-def test_architecture_hands_the_prompt_over(arch, preset, engine_slot, tmp_path_factory):
+def wire_bytes(preset: str, n: int, blocks: list[range]) -> int:
+    """One chunk per moved block and layer, at the preset's exact size."""
+    codec = Codec(preset, HEAD_DIM, LAYERS)
+    return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - b * BLOCK_SIZE), KV_HEADS,
+                                    b * BLOCK_SIZE)
+               for layer, moved in enumerate(blocks) for b in moved)
+
+
+@pytest.mark.parametrize("arch,preset,hma", [
+    *[(arch, preset, True) for arch in ARCHITECTURES for preset in ("raw", "tq4")],
+    ("gemma3", "raw", False),  # the hybrid manager off: one group, every block moves
+])
+def test_architecture_hands_the_prompt_over(arch, preset, hma, engine_slot, tmp_path_factory):
     model = ensure_tiny_model(arch)
-    group, stack = start_stack(model, preset, tmp_path_factory.mktemp(f"logs-{arch}-{preset}"),
-                               staging_bytes_for(preset, 40, LAYERS))
+    group, stack = start_stack(model, preset,
+                               tmp_path_factory.mktemp(f"logs-{arch}-{preset}-{hma}"),
+                               staging_bytes_for(preset, 40, LAYERS),
+                               extra_args=() if hma else NO_HMA)
     try:
         for i, n in enumerate(PROMPTS):
             prompt = prompt_ids(9100 + 10 * i + len(arch), n)
-            out = pd(stack, prompt, max_tokens=8, request_id=f"{arch}-{preset}-{n}")
+            out = pd(stack, prompt, max_tokens=8, request_id=f"{arch}-{preset}-{hma}-{n}")
             load = out["kv_transfer_params"]["turbowire_load"]
             assert load["failed"] is None, load
-            blocks = moved_blocks(arch, n)
-            assert load["tokens"] == n - blocks.start * BLOCK_SIZE, load
-            assert load["wire_bytes"] == wire_bytes(preset, n, LAYERS, blocks), load
+            blocks = moved_blocks(arch, n, hma)
+            # a block loads while any layer's group holds it
+            first = min(moved.start for moved in blocks)
+            assert load["tokens"] == n - first * BLOCK_SIZE, load
+            assert load["wire_bytes"] == wire_bytes(preset, n, blocks), load
             text = out["choices"][0]["text"]
             if preset == "raw":
                 assert text == single(stack, prompt, max_tokens=8)

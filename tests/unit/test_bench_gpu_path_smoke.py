@@ -80,9 +80,11 @@ def test_bench_gpu_path_smoke(tmp_path: Path) -> None:
     assert max(len(line) for line in table) <= 80
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["bit_exact"] is True
-    connector = [c for c in report["checks"] if "decode_bitexact" in c]
+    connector = [c for c in report["checks"] if "corruption_refused" in c]
     assert connector and all(c["encode_bitexact"] and c["decode_bitexact"]
                              and c["corruption_refused"] and c["ok"] for c in connector)
+    groups = [c for c in report["checks"] if c.get("check") == "groups_check"]
+    assert groups and all(c["ok"] and c["chunks_skipped"] > 0 for c in groups), groups
     case = report["results"][0]
     assert all(case["staging_equal"].values())
     assert case["decode_equal_held_loads"]

@@ -1,9 +1,10 @@
 """Which KV cache kinds the connector serves, on the groups vLLM itself builds from per-layer
-specs (``get_kv_cache_groups`` with the hybrid allocator off, as vLLM runs a connector without
-``SupportsHMA``): full attention and sliding windows are served (interleaved with full layers,
-vLLM promotes the windows to full-attention allocation; on every layer, it frees the blocks the
-window leaves, which the geometry records), everything else is refused at start in turbowire's
-own words."""
+specs (``get_kv_cache_groups``, with its hybrid KV cache manager off and on): full attention and
+sliding windows are served (interleaved with full layers and the manager off, vLLM promotes the
+windows to full-attention allocation; with the manager on, the sliding layers get a group of
+their own, and each layer takes its blocks from its group's table; on every layer, vLLM frees
+the blocks the window leaves, which the geometry records), everything else is refused at start
+in turbowire's own words."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ from turbowire.connector.geometry import GeometryError, KVGeometry
 
 SHAPE = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 NO_HMA = SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True))
+HMA = SimpleNamespace(
+    scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+    # one page size per layer kind here: vLLM packs no mixed pages, the layout does not matter
+    cache_config=SimpleNamespace(
+        get_resolved_kv_cache_layout=lambda: SimpleNamespace(is_block_outermost=False)),
+    speculative_config=None, model_config=None)
 
 
 def layer_specs(kinds: str, window: int = 64) -> dict:
@@ -34,8 +41,8 @@ def layer_specs(kinds: str, window: int = 64) -> dict:
     return {f"model.layers.{i}.self_attn.attn": make[k]() for i, k in enumerate(kinds)}
 
 
-def vllm_config_of(kinds: str) -> KVCacheConfig:
-    groups = get_kv_cache_groups(NO_HMA, layer_specs(kinds))
+def vllm_config_of(kinds: str, hma: bool = False) -> KVCacheConfig:
+    groups = get_kv_cache_groups(HMA if hma else NO_HMA, layer_specs(kinds))
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
@@ -66,7 +73,10 @@ def test_the_store_refuses_a_model_whose_every_layer_slides(transport):
     cfg = TurboWireConfig.from_extra_config(extra, environ={})
     with pytest.raises(ConnectorConfigError, match="every layer has a sliding window.*'nixl'"):
         EngineSetup.build(vcfg, vllm_config_of("ssss"), cfg)
-    EngineSetup.build(vcfg, vllm_config_of("sfsf"), cfg)  # interleaved: the store serves it
+    # interleaved: the store serves it with the hybrid manager off, not with its groups
+    EngineSetup.build(vcfg, vllm_config_of("sfsf"), cfg)
+    with pytest.raises(ConnectorConfigError, match="sliding-window group.*disable-hybrid"):
+        EngineSetup.build(vcfg, vllm_config_of("sfsf", hma=True), cfg)
 
 
 def test_mla_latents_are_refused_naming_the_kind():
@@ -74,13 +84,34 @@ def test_mla_latents_are_refused_naming_the_kind():
         KVGeometry.from_kv_cache_config(vllm_config_of("mm"))
 
 
-def test_several_groups_are_refused_naming_them():
+@pytest.mark.parametrize("kinds", ["sfsf", "sssssf", "fssf"])
+def test_the_hybrid_managers_groups_are_served_each_layer_in_its_group(kinds):
+    """vLLM's own grouping with the manager on: full and sliding layers in groups of their
+    own (groups of equal size, so 5 sliding layers beside 1 full one make 6 groups); the
+    geometry keeps model order and records each layer's group."""
+    config = vllm_config_of(kinds, hma=True)
+    assert len(config.kv_cache_groups) >= 2
+    geo = KVGeometry.from_kv_cache_config(config)
+    assert geo.num_groups == len(config.kv_cache_groups)
+    assert [layer.name for layer in geo.layers] == list(layer_specs(kinds))
+    for layer in geo.layers:
+        group = config.kv_cache_groups[layer.group]
+        assert layer.name in group.layer_names
+    kinds_of = {type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups}
+    assert kinds_of == {"FullAttentionSpec", "SlidingWindowSpec"}
+    assert geo.frees_out_of_window
+    # the manager off: one group, nothing freed under an interleaved model
+    assert KVGeometry.from_kv_cache_config(vllm_config_of(kinds)).num_groups == 1
+
+
+def test_groups_of_other_kinds_are_still_refused():
     names = list(layer_specs("ff"))
     config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(names[:1], FullAttentionSpec(**SHAPE)),
-        KVCacheGroupSpec(names[1:], SlidingWindowSpec(sliding_window=64, **SHAPE)),
+        KVCacheGroupSpec(names[1:], MLAAttentionSpec(**{**SHAPE, "num_kv_heads": 1,
+                                                        "head_size": 576})),
     ])
-    with pytest.raises(GeometryError, match="2 groups.*SupportsHMA"):
+    with pytest.raises(GeometryError, match="MLAAttentionSpec"):
         KVGeometry.from_kv_cache_config(config)
 
 
