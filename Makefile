@@ -52,8 +52,9 @@ setup: system-deps venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# --durations: the slowest tests of each run, so CI time can be followed (aim: under 35 min)
 test: setup lint
-	CHECKOV=$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q tests
+	CHECKOV=$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q --durations=25 tests
 	$(MAKE) --no-print-directory test-matrix
 
 # The machine matrix's second leg (the first is the run above, on the best C codec build this CPU
