@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from turbowire.cli import app
-from turbowire.quality.recommend import build, markdown, preset_bits, sign_test_p
+from turbowire.quality.recommend import (
+    build,
+    markdown,
+    preset_bits,
+    sign_test_p,
+    source_labels,
+)
 
 
 def _case(method: str, family: str, length: int, seed: int, correct: bool, nll: float) -> dict:
@@ -135,13 +142,38 @@ def test_readmes_preset_guidance_is_what_recommend_prints_from_the_committed_res
     from turbowire.commands.recommend import DEFAULTS
 
     root = Path(__file__).resolve().parents[2]
-    paths = {k: root / v for k, v in DEFAULTS.items()}
+    paths = {k: [root / p for p in v] if isinstance(v, list) else root / v
+             for k, v in DEFAULTS.items()}
     rows = build(paths["quality"], paths["retrieval"], paths["h200"], paths["cpu"],
                  recompute_quality=paths["recompute_quality"],
                  recompute_retrieval=paths["recompute_retrieval"])
-    want = markdown(rows, {k: str(v) for k, v in DEFAULTS.items() if (root / v).exists()})
+    want = markdown(rows, source_labels(DEFAULTS, root))
     readme = (root / "README.md").read_text()
     begin, end = "<!-- recommend:begin -->\n", "<!-- recommend:end -->"
     assert begin in readme and end in readme
     assert readme.split(begin, 1)[1].split(end, 1)[0] == want
     assert any(r.recommended for r in rows)  # the committed results recommend something
+
+
+def test_pooled_runs_take_a_repeated_case_from_the_later_file_and_cover_every_length(tmp_path):
+    """Two retrieval runs pooled: a later run with more cases at the short lengths replaces the
+    earlier run's same cases (same seeds) and adds its own; a configuration the runs measured
+    only at the short lengths is not recommended."""
+    early, late = [], []
+    for seed in range(4):
+        for length in (1024, 8192):
+            early.append(_case("exact", "reference", length, seed, True, 0.1))
+            early.append(_case("tq4", "turbowire", length, seed, True, 0.1))
+    for seed in range(8):  # seeds 0-3 repeat the early run's 1024-token cases
+        late.append(_case("exact", "reference", 1024, seed, True, 0.1))
+        late.append(_case("tq4", "turbowire", 1024, seed, seed not in (5, 6), 0.1))
+        late.append(_case("k16v4", "turbowire", 1024, seed, True, 0.1))
+    (tmp_path / "a.json").write_text(json.dumps({"results": early}))
+    (tmp_path / "b.json").write_text(json.dumps({"results": late}))
+    rows = {r.preset: r for r in build(None, [tmp_path / "a.json", tmp_path / "b.json"],
+                                       None, None)}
+    assert rows["tq4"].pooled == pytest.approx((100.0 * 10 / 12, 100.0))  # 8 + 4, 2 lost
+    assert not rows["tq4"].recommended
+    assert "measured only up to 1024 tokens, not 8192" in rows["k16v4"].verdict
+    only_early = {r.preset: r for r in build(None, tmp_path / "a.json", None, None)}
+    assert only_early["tq4"].recommended

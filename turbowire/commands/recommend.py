@@ -9,11 +9,13 @@ import typer
 RESULTS = Path("bench/results")
 DEFAULTS = {
     "quality": RESULTS / "quality/eval.json",
-    "retrieval": RESULTS / "quality/retrieval.json",
+    # several runs are pooled, a later file's cases replacing the same cases of an earlier one
+    "retrieval": [RESULTS / "quality/retrieval.json", RESULTS / "quality/retrieval_short.json"],
     "h200": RESULTS / "kernels_vs/presets.json",
     "cpu": RESULTS / "cpu_codec/results.json",
     "recompute_quality": RESULTS / "quality/recompute.json",
-    "recompute_retrieval": RESULTS / "quality/retrieval_recompute.json",
+    "recompute_retrieval": [RESULTS / "quality/retrieval_recompute.json",
+                            RESULTS / "quality/retrieval_short.json"],
 }
 
 
@@ -21,8 +23,10 @@ def register(app: typer.Typer) -> None:
     @app.command("recommend")
     def recommend(
         quality: Path = typer.Option(DEFAULTS["quality"], help="`turbowire eval --json` output."),
-        retrieval: Path = typer.Option(
-            DEFAULTS["retrieval"], help="`turbowire eval --task retrieval --json` output."),
+        retrieval: list[Path] = typer.Option(
+            DEFAULTS["retrieval"],
+            help="`turbowire eval --task retrieval --json` output (repeat the option to pool "
+                 "runs; a case a later file repeats is taken from it)."),
         h200: Path = typer.Option(
             DEFAULTS["h200"],
             help="`python -m bench.kernels_vs time OUT --presets all --chunks 256` (H200)."),
@@ -31,9 +35,9 @@ def register(app: typer.Typer) -> None:
         recompute_quality: Path = typer.Option(
             DEFAULTS["recompute_quality"],
             help="`turbowire eval --recompute N --json` output (rows `<preset>+rN`)."),
-        recompute_retrieval: Path = typer.Option(
+        recompute_retrieval: list[Path] = typer.Option(
             DEFAULTS["recompute_retrieval"],
-            help="`turbowire eval --task retrieval --recompute N --json` output."),
+            help="`turbowire eval --task retrieval --recompute N --json` output (repeatable)."),
         markdown: Path | None = typer.Option(
             None, "--markdown", help="Also write the table and verdicts as Markdown here."),
     ) -> None:
@@ -56,14 +60,15 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from turbowire.quality.recommend import HEAD, build, table_rows
+        from turbowire.quality.recommend import HEAD, build, source_labels, table_rows
         from turbowire.quality.recommend import markdown as to_markdown
 
         paths = dict(quality=quality, retrieval=retrieval, h200=h200, cpu=cpu,
                      recompute_quality=recompute_quality,
                      recompute_retrieval=recompute_retrieval)
-        missing = [f"--{k.replace('_', '-')} {v}" for k, v in paths.items() if not v.exists()]
-        if len(missing) == len(paths):
+        files = [(k, v) for k, vs in paths.items() for v in (vs if isinstance(vs, list) else [vs])]
+        missing = [f"--{k.replace('_', '-')} {v}" for k, v in files if not v.exists()]
+        if len(missing) == len(files):
             raise typer.BadParameter(
                 "no result file found (" + ", ".join(missing) + "): run it from a turbowire "
                 "checkout, or pass the files `turbowire eval --json` and the benches wrote")
@@ -86,6 +91,5 @@ def register(app: typer.Typer) -> None:
             console.print(f"[bold]{r.label}[/]: {r.verdict}")
         if markdown:
             markdown.parent.mkdir(parents=True, exist_ok=True)
-            markdown.write_text(to_markdown(rows, {k: str(v) for k, v in paths.items()
-                                                   if v.exists()}))
+            markdown.write_text(to_markdown(rows, source_labels(paths)))
             console.print(f"wrote {markdown}")

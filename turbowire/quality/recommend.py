@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class PresetRow:
     # prompt length -> (cases the exact KV retrieved and the preset did not, the reverse)
     discordant: dict[int, tuple[int, int]] = field(default_factory=dict)
     pooled: tuple[float, float] | None = None  # accuracy over every case: preset, exact KV
+    longest: int = 0  # the longest prompt the retrieval runs measured (with any method)
     h200_gbs: tuple[float, float] | None = None  # dense GB/s, encode and decode
     cpu_gbs: tuple[float, float] | None = None
     verdict: str = ""
@@ -80,6 +82,23 @@ def _read(path: Path | None) -> Any:
     if path is None or not path.exists():
         return None
     return json.loads(path.read_text())
+
+
+def _read_runs(paths: Path | Sequence[Path] | None) -> Any:
+    """One retrieval run from several (``turbowire eval --task retrieval --json`` outputs):
+    their cases pooled, a case (method, length, task, seed) measured by several taken from the
+    last file that has it (a later run with more cases repeats the earlier one's seeds)."""
+    if paths is None or isinstance(paths, Path):
+        return _read(paths)
+    cases: dict[tuple[Any, ...], dict] = {}
+    found = False
+    for data in map(_read, paths):
+        if data is None:
+            continue
+        found = True
+        for c in data.get("results", []):
+            cases[(c.get("method"), c.get("length"), c.get("task"), c.get("seed"))] = c
+    return {"results": list(cases.values())} if found else None
 
 
 def _mean(xs: list[float]) -> float:
@@ -122,6 +141,7 @@ def _retrieval(rows: dict[str, PresetRow], data: Any) -> None:
         row.discordant[length] = (sum(e and not m for e, m in paired),
                                   sum(m and not e for e, m in paired))
     for name, row in rows.items():
+        row.longest = max(exact, default=0)
         mine = [c for c in cases if c.get("method") == name]
         if mine:
             both = [(exact_ok[k], bool(c["correct"])) for c in mine
@@ -161,6 +181,10 @@ def _judge(row: PresetRow) -> None:
         row.verdict = "retrieval not measured: not recommended"
         return
     assert row.pooled is not None
+    if max(row.accuracy) < row.longest:
+        row.verdict = (f"retrieval measured only up to {max(row.accuracy)} tokens, not "
+                       f"{row.longest}: not recommended")
+        return
     acc, exact = row.pooled
     if acc < exact - RETRIEVAL_SLACK_POINTS:
         row.verdict = (f"loses retrieval the exact KV has ({acc:.1f}% vs {exact:.1f}% over "
@@ -191,18 +215,19 @@ def _recompute_rows(base: dict[str, PresetRow], *runs: Any) -> dict[str, PresetR
     return rows
 
 
-def build(quality: Path | None, retrieval: Path | None, h200: Path | None,
+def build(quality: Path | None, retrieval: Path | Sequence[Path] | None, h200: Path | None,
           cpu: Path | None, presets: list[str] | None = None,
           recompute_quality: Path | None = None,
-          recompute_retrieval: Path | None = None) -> list[PresetRow]:
+          recompute_retrieval: Path | Sequence[Path] | None = None) -> list[PresetRow]:
     """One row per preset from whichever result files exist (missing ones leave gaps), then one
-    per preset + recomputed window that the recompute runs measured."""
+    per preset + recomputed window that the recompute runs measured. Several retrieval files
+    are pooled (``_read_runs``)."""
     rows = {p: PresetRow(p, preset_bits(p)) for p in (presets or list_presets())}
     _quality(rows, _read(quality))
-    _retrieval(rows, _read(retrieval))
+    _retrieval(rows, _read_runs(retrieval))
     _h200(rows, _read(h200))
     _cpu(rows, _read(cpu))
-    rq, rr = _read(recompute_quality), _read(recompute_retrieval)
+    rq, rr = _read(recompute_quality), _read_runs(recompute_retrieval)
     windowed = _recompute_rows(rows, rq, rr)
     _quality(windowed, rq)
     _retrieval(windowed, rr)
@@ -252,6 +277,18 @@ HEAD = ["preset", "b/e", "ratio", "KL", "top1", "acc/ex", "NLL×", "H200 TB/s", 
         "rec"]
 
 
+def source_labels(paths: dict[str, Any], root: Path = Path()) -> dict[str, str]:
+    """Markdown's "Sources" of each input: its files (a path or a list of paths, relative to
+    ``root``) that exist, in backquotes, pooled runs joined by " + "."""
+    out = {}
+    for key, value in paths.items():
+        found = [f"`{p}`" for p in (value if isinstance(value, list) else [value])
+                 if (root / p).exists()]
+        if found:
+            out[key] = " + ".join(found)
+    return out
+
+
 def markdown(rows: list[PresetRow], sources: dict[str, str]) -> str:
     """The table and each preset's verdict, as README's preset guidance shows them."""
     lines = ["| " + " | ".join(HEAD + ["use when"]) + " |",
@@ -270,5 +307,6 @@ def markdown(rows: list[PresetRow], sources: dict[str, str]) -> str:
               "runs with a recomputed window (KL and top-1 at their longest prompt, retrieval "
               "against their own exact KV); its b/e and speed are the preset's, per token sent "
               "(the window's N tokens are not sent). Sources: "
-              + "; ".join(f"{k} `{v}`" for k, v in sources.items()) + "."]
+              + "; ".join(f"{k} {v if v.startswith('`') else f'`{v}`'}"
+                          for k, v in sources.items()) + "."]
     return "\n".join(lines) + "\n"
