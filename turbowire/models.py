@@ -194,6 +194,8 @@ TINY_ARCHITECTURES: dict[str, str] = {
     "mistral-swa": f"Mistral-style: a {TINY_WINDOW}-token sliding window on every layer",
     "gemma2": f"Gemma-2: sliding ({TINY_WINDOW} tokens) and full layers interleaved, softcaps",
     "gemma3": f"Gemma-3: sliding ({TINY_WINDOW} tokens) and full layers interleaved, q/k norms",
+    "gemma3-w40": "Gemma-3, 6 layers: two sliding (a 40-token window, not a multiple of the "
+                  "32-token block) per full layer",
     "qwen3-next": "Qwen3-Next: gated-delta-net linear attention beside full attention, MoE",
 }
 
@@ -226,6 +228,11 @@ def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a 
                             query_pre_attn_scalar=64)
     if arch == "gemma3":
         return Gemma3TextConfig(**gemma, sliding_window=TINY_WINDOW, layer_types=interleaved,
+                                query_pre_attn_scalar=64)
+    if arch == "gemma3-w40":  # vLLM's hybrid manager makes 3 groups of 2 layers of this one
+        return Gemma3TextConfig(**{**gemma, "num_hidden_layers": 6}, sliding_window=40,
+                                layer_types=["sliding_attention"] * 2 + ["full_attention"]
+                                + ["sliding_attention"] * 2 + ["full_attention"],
                                 query_pre_attn_scalar=64)
     raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}")
 

@@ -29,13 +29,16 @@ from turbowire.models import TINY_WINDOW, ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-LAYERS = 4  # every tiny architecture model (2 KV heads x head_dim 64, as the tiny Llama)
+LAYERS = {"gemma3-w40": 6}  # layers of a tiny model (4 unless here), 2 KV heads x head_dim 64
+WINDOW = {"gemma3-w40": 40}  # its sliding window (TINY_WINDOW unless here)
 # inside the window; several windows and a partial block; longer than the engines' 1024-token
 # step, so the prefill engine saves its last blocks after vLLM freed the first ones
 PROMPTS = (40, 7 * BLOCK_SIZE + 5, 1100)
 assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
-ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "mistral-swa")  # README's "real engines" rows
-SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "mistral-swa": (0, 1, 2, 3)}  # tiny models
+ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa")  # README's rows
+SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "gemma3-w40": (0, 1, 3, 4),
+           "mistral-swa": (0, 1, 2, 3)}  # the tiny models' sliding layers
+PRESETS = {"gemma3-w40": ("raw",)}  # presets run per architecture (raw and tq4 unless here)
 NO_HMA = ("--disable-hybrid-kv-cache-manager",)
 
 
@@ -46,28 +49,29 @@ def moved_blocks(arch: str, n: int, hma: bool) -> list[range]:
     (``SlidingWindowManager.get_num_skipped_tokens``)."""
     every = range(-(-n // BLOCK_SIZE))
     frees = arch == "mistral-swa" or (hma and arch in SLIDING)
-    skipped = max(0, n - TINY_WINDOW + 1) // BLOCK_SIZE
+    skipped = max(0, n - WINDOW.get(arch, TINY_WINDOW) + 1) // BLOCK_SIZE
     return [range(skipped, every.stop) if frees and layer in SLIDING[arch] else every
-            for layer in range(LAYERS)]
+            for layer in range(LAYERS.get(arch, 4))]
 
 
 def wire_bytes(preset: str, n: int, blocks: list[range]) -> int:
     """One chunk per moved block and layer, at the preset's exact size."""
-    codec = Codec(preset, HEAD_DIM, LAYERS)
+    codec = Codec(preset, HEAD_DIM, len(blocks))
     return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - b * BLOCK_SIZE), KV_HEADS,
                                     b * BLOCK_SIZE)
                for layer, moved in enumerate(blocks) for b in moved)
 
 
 @pytest.mark.parametrize("arch,preset,hma", [
-    *[(arch, preset, True) for arch in ARCHITECTURES for preset in ("raw", "tq4")],
+    *[(arch, preset, True) for arch in ARCHITECTURES
+      for preset in PRESETS.get(arch, ("raw", "tq4"))],
     ("gemma3", "raw", False),  # the hybrid manager off: one group, every block moves
 ])
 def test_architecture_hands_the_prompt_over(arch, preset, hma, engine_slot, tmp_path_factory):
     model = ensure_tiny_model(arch)
     group, stack = start_stack(model, preset,
                                tmp_path_factory.mktemp(f"logs-{arch}-{preset}-{hma}"),
-                               staging_bytes_for(preset, 40, LAYERS),
+                               staging_bytes_for(preset, 40, LAYERS.get(arch, 4)),
                                extra_args=() if hma else NO_HMA)
     try:
         for i, n in enumerate(PROMPTS):
@@ -110,7 +114,7 @@ def test_a_hybrid_model_is_refused_at_start_in_turbowires_words(engine_slot, tmp
                 "prefill", ensure_tiny_model("qwen3-next"), free_port(), cpu=0,
                 kv_transfer_config=turbowire_kv_config(
                     "kv_producer", side_channel_port=free_port(), preset="tq4",
-                    staging_bytes=staging_bytes_for("tq4", 40, LAYERS)),
+                    staging_bytes=staging_bytes_for("tq4", 40, 4)),
                 kvcache_gib=1, block_size=BLOCK_SIZE, max_model_len=2048, max_num_seqs=8,
                 max_num_batched_tokens=1024, served_model_name="tiny"),
                 tmp_path_factory.mktemp("logs-qwen3-next")))
