@@ -38,9 +38,9 @@ def e2e(
     full: bool = typer.Option(False, "--full", help="The whole matrix: prompts 1k/2k/4k/8k."),
     configs: str = typer.Option(
         "", "--configs",
-        help="Comma list: 'nixl' and 'tw:<preset>' (default: nixl, tw:raw, tw:<recommended>)."),
+        help="Comma list: 'nixl' and 'tw:<preset>' (default: nixl, tw:raw, tw:<--presets>)."),
     presets: str = typer.Option(
-        "tq4", "--presets", help="Recommended turbowire presets when --configs is not given."),
+        "tq4", "--presets", help="turbowire presets to run when --configs is not given."),
     rates: str = typer.Option(
         "0.2,1,10,none", "--rates", help="Link rates, Gbit/s ('none' = unshaped)."),
     lengths: str = typer.Option(
