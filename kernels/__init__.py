@@ -33,7 +33,9 @@ The CPU attention layouts module, ``kernels/cpu_attn_layout.py``
 keeps each token's K and V in a block (the ``vec`` / ``vec16`` / ``amx`` placements) by probing
 vLLM's own write op; the C codec serves its strided and tiled placements, the reference any
 other. ``kernels/fp8_cache.py`` handles fp8 e4m3 caches (``KVScales``); ``kernels/quant_lut.py``
-holds the Triton encoder's Lloyd-Max lookup table.
+holds the Triton encoder's Lloyd-Max lookup table. ``kernels/state.py`` (``StatePages``,
+``encode_state_into``, ``decode_state_into``) moves a Mamba / linear-attention layer's state
+block raw in its checksummed chunk (``turbowire.codec.state``).
 
 Module graph: ``items`` and ``paged`` are leaves; ``dispatch`` imports the implementations, which
 never import ``dispatch`` (tests/unit/test_kernels_imports.py checks it).
@@ -51,6 +53,7 @@ from turbowire.kernels.dispatch import (
 from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES, KVScales, is_fp8_cache, resolve_scales
 from turbowire.kernels.items import DecodeItem, EncodeItem
 from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
+from turbowire.kernels.state import StatePages, decode_state_into, encode_state_into
 from turbowire.kernels.triton_common import (
     BLOCK_ENCODE_REGISTERS,
     KernelConfig,
@@ -73,14 +76,17 @@ __all__ = [
     "KVScales",
     "KernelConfig",
     "PagedKVLayout",
+    "StatePages",
     "block_kernel_config",
     "cpu_attn_layout",
     "cuda_serves",
     "decode_into",
     "decode_layers_into",
+    "decode_state_into",
     "decode_tail_into",
     "encode_into",
     "encode_layers_into",
+    "encode_state_into",
     "is_fp8_cache",
     "resolve_scales",
     "served_by",

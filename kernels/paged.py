@@ -84,6 +84,24 @@ class PagedKVLayout:
             return kv_cache[0], kv_cache[1]
         return kv_cache[:, 0], kv_cache[:, 1]
 
+    def zero_blocks(self, kv_cache: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Zero every K/V element of these blocks (every slot, head and dim, whatever the
+        placement inside a block). Why: vLLM zeroes a hybrid model's freshly allocated blocks
+        (another group may have left state bytes there, NaN once read as K/V) but not the
+        blocks a connector loads, so the slots past a partial block's loaded tokens are the
+        connector's to clear."""
+        if not block_ids:
+            return
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        if bool(((ids < 0) | (ids >= self.num_blocks)).any()):
+            raise BlockIndexError(f"blocks {block_ids} outside the cache's {self.num_blocks}")
+        ids = ids.to(kv_cache.device)
+        bits = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache  # fp8
+        if self.kind == "kv_first":
+            bits[:, ids] = 0
+        else:  # block-first: CPU caches, GPU [num_blocks, 2, ...]
+            bits[ids] = 0
+
     def token_index(
         self, block_ids: Sequence[int] | torch.Tensor, token_start: int, num_tokens: int,
         device: torch.device | None = None,
