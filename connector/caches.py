@@ -30,7 +30,9 @@ class EngineCaches:
         missing = [layer.name for layer in geometry.layers if layer.name not in kv_caches]
         if missing:
             raise GeometryError(f"vLLM registered no KV cache for layers {missing[:3]}")
-        self.tensors: list[torch.Tensor] = [kv_caches[layer.name] for layer in geometry.layers]
+        # an attention layer's cache tensor; a state layer's list of state tensors (vLLM's
+        # MambaSpec layers), served through its ``StatePages`` layout
+        self.tensors: list[Any] = [kv_caches[layer.name] for layer in geometry.layers]
         self._check_dtypes()
         self._logged: set[tuple] = set()
         self.layouts: list[Any] = [self._layout_of(i, t) for i, t in enumerate(self.tensors)]
@@ -52,13 +54,14 @@ class EngineCaches:
         are coded one by one, so a draft model's cache may have another dtype."""
         from turbowire.kernels import FP8_CACHE_DTYPES, is_fp8_cache
 
-        odd = {t.dtype for t in self.tensors} - {torch.bfloat16, torch.float16, *FP8_CACHE_DTYPES}
+        attention = self.tensors[:self.geometry.num_attention_layers]
+        odd = {t.dtype for t in attention} - {torch.bfloat16, torch.float16, *FP8_CACHE_DTYPES}
         if odd:
             raise GeometryError(
                 f"the TurboWire connector serves bf16, fp16 or fp8 e4m3 KV caches, not "
                 f"{sorted(map(str, odd))}"
             )
-        for layer, cache in enumerate(self.tensors):
+        for layer, cache in enumerate(attention):
             if not is_fp8_cache(cache):
                 continue
             if cache.dim() != 5:
@@ -79,7 +82,7 @@ class EngineCaches:
         (vLLM may compute them on the first forward pass); None for bf16/fp16 caches."""
         from turbowire.kernels import is_fp8_cache
 
-        if not is_fp8_cache(self.tensors[layer]):
+        if self.geometry.layers[layer].is_state or not is_fp8_cache(self.tensors[layer]):
             return None
         attn = self._attention_layer(layer)
         if (
@@ -93,8 +96,18 @@ class EngineCaches:
             )
         return float(attn._k_scale_float), float(attn._v_scale_float)
 
-    def _layout_of(self, layer: int, cache: torch.Tensor) -> Any:
-        from turbowire.kernels import PagedKVLayout
+    def _layout_of(self, layer: int, cache: Any) -> Any:
+        from turbowire.kernels import PagedKVLayout, StatePages
+
+        spec = self.geometry.layers[layer]
+        if spec.is_state:
+            pages = StatePages.from_cache(cache)
+            if pages.state_bytes != spec.state_bytes:
+                raise GeometryError(
+                    f"state layer {spec.name}: vLLM registered {pages.state_bytes} B of state "
+                    f"per block, its KV cache spec says {spec.state_bytes} B"
+                )
+            return pages
 
         if cache.dim() != 4 or cache.device.type != "cpu":
             return PagedKVLayout.from_cache(cache, head_dim=self.geometry.head_dim)

@@ -22,7 +22,21 @@ def make_codec(preset: str, geometry: KVGeometry) -> Any:
     ``TurboWireConfig.from_extra_config(known_presets=...)``)."""
     from turbowire.codec import Codec
 
-    return Codec(preset, geometry.head_dim, geometry.num_layers)
+    return Codec(preset, geometry.head_dim, geometry.num_attention_layers)
+
+
+def chunk_nbytes(codec: Any, geometry: KVGeometry, layer: int, num_tokens: int,
+                 block_index: int) -> int:
+    """Exact bytes of the chunk of request block ``block_index`` of ``layer``: the codec's
+    size for an attention layer (the first block of a sequence carries extra rows), the state
+    chunk's for a Mamba / linear-attention layer (one per request, whatever its tokens)."""
+    spec = geometry.layers[layer]
+    if spec.is_state:
+        from turbowire.codec.state import state_chunk_nbytes
+
+        return state_chunk_nbytes(spec.state_bytes)
+    return int(codec.encoded_nbytes(layer, num_tokens, spec.num_kv_heads,
+                                    block_index * geometry.block_size))
 
 
 def codec_format_version() -> int:

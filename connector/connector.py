@@ -111,12 +111,7 @@ class TurboWireConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ class hooks
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """None: the kernels handle LBHNC and LBNHC. vLLM asks while it builds the model's
-        attention, before it groups the KV cache, so a hybrid model is refused here, in
-        turbowire's words, rather than by vLLM's grouping error."""
-        from turbowire.connector.geometry import refuse_hybrid
-
-        refuse_hybrid(getattr(vllm_config, "model_config", None))
+        """None: the kernels handle LBHNC and LBNHC."""
         return None
 
     @classmethod

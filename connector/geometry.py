@@ -45,6 +45,14 @@ class LayerSpec:
     #: the KV cache group whose block table holds this layer's blocks (vLLM's hybrid KV cache
     #: manager gives sliding-window and full-attention layers separate tables)
     group: int = 0
+    #: a Mamba / linear-attention layer's state bytes per request (its cache page); 0 for an
+    #: attention layer. Such a layer moves raw, one state chunk per request
+    #: (``turbowire.codec.state``), from the block that holds the state at the prompt's end.
+    state_bytes: int = 0
+
+    @property
+    def is_state(self) -> bool:
+        return self.state_bytes > 0
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,13 @@ class KVGeometry:
     frees_out_of_window: bool = False
 
     def __post_init__(self) -> None:
-        if not self.layers:
+        if not self.attention_layers:
             raise GeometryError("the model has no attention layers with a KV cache to transfer")
         if self.block_size <= 0:
             raise GeometryError(f"block_size must be positive (got {self.block_size})")
-        head_dims = {layer.head_dim for layer in self.layers}
+        if any(layer.is_state for layer in self.layers[:self.num_attention_layers]):
+            raise GeometryError("state layers come after every attention layer")
+        head_dims = {layer.head_dim for layer in self.attention_layers}
         if len(head_dims) != 1:
             raise GeometryError(
                 f"layers have different head sizes {sorted(head_dims)}; turbowire needs one "
@@ -75,13 +85,28 @@ class KVGeometry:
         return len(self.layers)
 
     @property
+    def attention_layers(self) -> tuple[LayerSpec, ...]:
+        """The layers whose K/V the codec codes (indices 0..n-1: the codec's layer index)."""
+        return tuple(layer for layer in self.layers if not layer.is_state)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.attention_layers)
+
+    @property
+    def state_groups(self) -> frozenset[int]:
+        """The KV cache groups of state layers: their tables hold one block per request, the
+        one with the state at the prompt's end (``state_tables``)."""
+        return frozenset(layer.group for layer in self.layers if layer.is_state)
+
+    @property
     def num_groups(self) -> int:
         """KV cache groups, each with its own block table (1 without the hybrid manager)."""
         return max(layer.group for layer in self.layers) + 1
 
     @property
     def head_dim(self) -> int:
-        return self.layers[0].head_dim
+        return self.attention_layers[0].head_dim
 
     @property
     def num_draft_layers(self) -> int:
@@ -89,14 +114,15 @@ class KVGeometry:
 
     @property
     def max_kv_heads(self) -> int:
-        return max(layer.num_kv_heads for layer in self.layers)
+        return max(layer.num_kv_heads for layer in self.attention_layers)
 
     def layer_index(self) -> dict[str, int]:
         return {layer.name: i for i, layer in enumerate(self.layers)}
 
     def dense_bytes_per_token(self, element_size: int = 2) -> int:
         """Bytes of K and V per token over all layers in the engine's own dtype."""
-        return sum(2 * layer.num_kv_heads * layer.head_dim * element_size for layer in self.layers)
+        return sum(2 * layer.num_kv_heads * layer.head_dim * element_size
+                   for layer in self.attention_layers)
 
     @classmethod
     def from_kv_cache_config(
@@ -104,16 +130,18 @@ class KVGeometry:
         kv_cache_config: KVCacheConfig,
         is_draft: Callable[[str], bool] = lambda name: False,
     ) -> KVGeometry:
-        """Collect the attention layers of every KV cache group, in model order.
+        """Collect the layers of every KV cache group: attention layers in model order, then
+        the state layers of a hybrid model in model order.
 
         Served: full attention; sliding-window layers beside full ones, either in one group
         (the hybrid KV cache manager off: vLLM promotes them to full-attention allocation, every
         block is kept, so every block moves) or in groups of their own (the manager on: each
         layer takes its blocks from its group's table, and a sliding window's freed blocks do
         not move); a model whose every layer slides (a ``SlidingWindowSpec`` group: vLLM frees
-        the blocks the window leaves, ``frees_out_of_window``). Refused with the reason: MLA
-        latents, Mamba/linear-attention state and other cache kinds."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        the blocks the window leaves, ``frees_out_of_window``); Mamba / gated-delta-net layers
+        beside attention (``MambaSpec`` groups, with vLLM's prefix caching on: their state
+        moves raw). Refused with the reason: MLA latents and other cache kinds."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         groups = kv_cache_config.kv_cache_groups
         layers: list[LayerSpec] = []
@@ -122,14 +150,22 @@ class KVGeometry:
         frees = False
         for group_index, group in enumerate(groups):
             spec: Any = group.kv_cache_spec
+            if type(spec) is MambaSpec:
+                state_bytes = _served_state_bytes(spec, group.layer_names)
+                block_sizes.add(spec.block_size)
+                layers.extend(LayerSpec(name=name, num_kv_heads=0, head_dim=0,
+                                        is_draft=is_draft(name), group=group_index,
+                                        state_bytes=state_bytes)
+                              for name in group.layer_names)
+                continue
             # exact types: subclasses (MLA, sinks, R-SWA's middle gap) lay out or free blocks
             # in ways this connector does not follow
             if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
                 raise GeometryError(
                     f"KV cache group of {type(spec).__name__} (layers {group.layer_names[:3]}...) "
                     "is not supported: turbowire transfers standard K/V attention caches "
-                    "(full or sliding-window attention), not MLA latents or Mamba/linear-"
-                    "attention state"
+                    "(full or sliding-window attention) and Mamba / linear-attention state, "
+                    "not MLA latents"
                 )
             frees = frees or type(spec) is SlidingWindowSpec
             block_sizes.add(spec.block_size)
@@ -144,31 +180,57 @@ class KVGeometry:
                         group=group_index,
                     )
                 )
-        if len(block_sizes) != 1 or len(dtypes) != 1:
+        if len(block_sizes) != 1 or len(dtypes) > 1:
             raise GeometryError(
                 f"KV cache groups disagree on block size {sorted(block_sizes)} or dtype "
                 f"{sorted(dtypes)}; turbowire needs one of each (with the hybrid KV cache "
                 "manager on, --disable-hybrid-kv-cache-manager puts every layer in one group)"
             )
-        layers.sort(key=lambda layer: layer_sort_key(layer.name))
+        if not dtypes:
+            raise GeometryError("the model has no attention layers with a KV cache to transfer")
+        layers.sort(key=lambda layer: (layer.is_state, layer_sort_key(layer.name)))
         return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop(),
                    frees_out_of_window=frees)
 
 
-def refuse_hybrid(model_config: Any) -> None:
-    """A Mamba or linear-attention hybrid (vLLM's ``is_hybrid``) is not served: its state is
-    not K/V attention and needs vLLM's hybrid KV cache manager."""
-    try:
-        hybrid = bool(model_config is not None and model_config.is_hybrid)
-    except Exception:  # noqa: BLE001 - a config without the property is no hybrid
-        hybrid = False
-    if hybrid:
-        arch = ", ".join(getattr(model_config, "architectures", None) or ["this model"])
+def _served_state_bytes(spec: Any, layer_names: list[str]) -> int:
+    """A Mamba / linear-attention group's state bytes per request, or why it is not served."""
+    where = f"Mamba / linear-attention layers {layer_names[:3]}..."
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
         raise GeometryError(
-            f"{arch} is a hybrid model (Mamba or linear-attention layers beside attention): "
-            "turbowire transfers K/V attention caches only and does not serve hybrid models "
-            "yet; serve it without the connector"
+            f"{where}: turbowire moves their state with vLLM's prefix caching on (mamba cache "
+            f"mode 'align', the state kept at block boundaries); this engine runs mode "
+            f"{mode!r}: drop --no-enable-prefix-caching / --mamba-cache-mode {mode}"
         )
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise GeometryError(
+            f"{where}: speculative decoding on a hybrid model is not served yet (its state "
+            "keeps scratch blocks per draft); serve it without --speculative-config"
+        )
+    return int(spec.state_content_size_bytes)
+
+
+def keep_state_blocks(tables: list[list[int]], state_groups: frozenset[int],
+                      num_blocks: int, final: bool = True) -> list[list[int]]:
+    """A request's group tables with each state group's table reduced to the one block that
+    moves: its block ``num_blocks - 1``, where vLLM keeps the state after the request's first
+    ``num_blocks`` blocks of tokens (its mamba cache mode 'align'), and only once those tokens
+    are ``final`` (the step that finishes the prompt); every other entry ``NO_BLOCK``, so no
+    other state block is staged, read or written."""
+    from turbowire.kernels import NO_BLOCK
+
+    if not state_groups:
+        return tables
+    out = []
+    for group, table in enumerate(tables):
+        if group in state_groups:
+            kept = [NO_BLOCK] * len(table)
+            if final and 0 < num_blocks <= len(table):
+                kept[num_blocks - 1] = table[num_blocks - 1]
+            table = kept
+        out.append(table)
+    return out
 
 
 def _align(n: int, a: int = SLOT_ALIGN) -> int:

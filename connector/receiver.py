@@ -19,7 +19,12 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from turbowire.connector.geometry import block_tag, blocks_for_tokens, tokens_in_block
+from turbowire.connector.geometry import (
+    block_tag,
+    blocks_for_tokens,
+    keep_state_blocks,
+    tokens_in_block,
+)
 from turbowire.connector.metadata import LoadBlock, LoadReport, LoadRequest, PeerAddress
 from turbowire.connector.params import (
     PeerNotAllowedError,
@@ -61,10 +66,12 @@ class Receiver(Heartbeats):
         prefill_backoff: int,
         stats: TurboWireConnectorStats,
         mac_key: bytes | None,
+        state_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
+        self.state_groups = state_groups  # groups of a hybrid model's state layers
         self.record = record
         self.tp_size = tp_size
         self.prefill_backoff = prefill_backoff
@@ -135,6 +142,8 @@ class Receiver(Heartbeats):
             return
         tables = [[NO_BLOCK if b.is_null else b.block_id for b in group[:last_block]]
                   for group in groups]
+        # a state layer's state after the loaded tokens goes into the block of the last one
+        tables = keep_state_blocks(tables, self.state_groups, last_block)
         load_blocks = [
             LoadBlock(
                 index=i,

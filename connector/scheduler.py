@@ -79,7 +79,7 @@ class TurboWireScheduler:
         self.receiver = Receiver(
             config, engine_id=engine_id, block_size=self.block_size, record=self.record,
             tp_size=self.tp_size, prefill_backoff=setup.prefill_backoff,
-            stats=self.stats, mac_key=mac_key,
+            stats=self.stats, mac_key=mac_key, state_groups=setup.geometry.state_groups,
         )
         self.drafts = DraftLedger(self.stats) if self.speculative.enabled else None
         self._kv_cache_manager: KVCacheManager | None = None

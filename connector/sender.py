@@ -16,7 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from turbowire.connector.geometry import block_tag, blocks_for_tokens, tokens_in_block
+from turbowire.connector.codecs import chunk_nbytes
+from turbowire.connector.geometry import (
+    block_tag,
+    blocks_for_tokens,
+    keep_state_blocks,
+    tokens_in_block,
+)
 from turbowire.connector.metadata import SaveBlock, SaveRequest, TurboWireHandshakeMetadata
 from turbowire.connector.params import prefill_result, prompt_digest
 from turbowire.connector.speculative import truncate_for_prefill
@@ -27,6 +33,7 @@ from turbowire.connector.staging import (
     StagingFullError,
     StagingPool,
 )
+from turbowire.kernels import NO_BLOCK
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -150,7 +157,10 @@ class Sender:
             state.fallback = "internal"
             self.stats.record_failure("internal")
             return None
-        tables = self._block_tables(request.request_id)
+        # a state layer moves the state at the prompt's end, staged in the step that computes it
+        tables = keep_state_blocks(self._block_tables(request.request_id),
+                                   self.geometry.state_groups, target_blocks,
+                                   final=computed_after >= prompt_len)
         block_ids = tables[0]
         blocks = []
         for i, slot in zip(new, slots, strict=True):
@@ -165,8 +175,9 @@ class Sender:
                 )
             )
             state.wire_bytes += sum(
-                self.codec.encoded_nbytes(layer, n, spec.num_kv_heads, i * self.block_size)
+                chunk_nbytes(self.codec, self.geometry, layer, n, i)
                 for layer, spec in enumerate(self.geometry.layers)
+                if not spec.is_state or tables[spec.group][i] != NO_BLOCK
             )
             state.dense_bytes += n * self.geometry.dense_bytes_per_token(self._element_size())
         state.encoded_blocks = target_blocks

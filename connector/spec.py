@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from turbowire.codec import Codec
-from turbowire.connector.codecs import codec_format_version, make_codec
+from turbowire.connector.codecs import chunk_nbytes, codec_format_version, make_codec
 from turbowire.connector.compat import (
     CompatibilityRecord,
     has_draft_kv,
@@ -54,7 +54,9 @@ class EngineSetup:
             kv_cache_config, draft_layer_predicate(vllm_config)
         )
         codec = make_codec(config.preset, geometry)
-        layout = StagingLayout.build(geometry, codec.encoded_nbytes, config.staging_bytes)
+        layout = StagingLayout.build(
+            geometry, lambda layer, tokens, _heads: chunk_nbytes(codec, geometry, layer, tokens, 0),
+            config.staging_bytes)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         # the weights' fingerprint (cached: computed once per process): other weights under the
         # same served name neither handshake nor share stored chunks
@@ -71,6 +73,12 @@ class EngineSetup:
         ktc = vllm_config.kv_transfer_config
         store_scope = None
         if config.uses_store:
+            if geometry.state_groups:
+                raise ConnectorConfigError(
+                    "transport 'store' does not serve hybrid models (Mamba / linear-attention "
+                    "layers beside attention): a stored chunk carries K/V, not the state a "
+                    "later request would resume from. Use transport 'nixl'"
+                )
             if geometry.frees_out_of_window or geometry.num_groups > 1:
                 raise ConnectorConfigError(
                     "transport 'store' does not serve sliding-window layers whose blocks vLLM "

@@ -23,6 +23,7 @@ import torch
 
 from turbowire.connector import threads
 from turbowire.connector.caches import EngineCaches
+from turbowire.connector.codecs import chunk_nbytes
 from turbowire.connector.coder import CacheCoder, make_coder
 from turbowire.connector.config import TurboWireConfig
 from turbowire.connector.loader import KVLoader, LocalEnd
@@ -180,9 +181,7 @@ class TurboWireWorker:
         key = (layer, num_tokens, block_index == 0)
         size = self._sizes.get(key)
         if size is None:
-            heads = self.geometry.layers[layer].num_kv_heads
-            offset = block_index * self.geometry.block_size
-            size = int(self.codec.encoded_nbytes(layer, num_tokens, heads, offset))
+            size = chunk_nbytes(self.codec, self.geometry, layer, num_tokens, block_index)
             self._sizes[key] = size
         return size
 

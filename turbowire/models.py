@@ -200,6 +200,9 @@ TINY_ARCHITECTURES: dict[str, str] = {
 }
 
 
+_TINY_VERSIONS = {"qwen3-next": 2}
+
+
 def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a transformers config)
     from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen3Config
 
@@ -215,8 +218,9 @@ def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a 
 
         return Qwen3NextConfig(
             **common, layer_types=["linear_attention", "full_attention"] * 2,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-            linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
+            # vLLM's CPU gated-delta-rule kernel takes head dims of 64 and up (not 32)
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+            linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128, shared_expert_intermediate_size=128)
     if arch == "mistral-swa":
         cfg = MistralConfig(**common, sliding_window=TINY_WINDOW)
@@ -246,7 +250,8 @@ def ensure_tiny_model(arch: str, root: Path | None = None) -> Path:
             f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}"
         )
     base = ensure_tiny_llama(root)
-    target = (root or cache_root() / "models") / f"tw-e2e-tiny-{arch}-v1"
+    version = _TINY_VERSIONS.get(arch, 1)  # bumped when a model's config changes
+    target = (root or cache_root() / "models") / f"tw-e2e-tiny-{arch}-v{version}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     import torch

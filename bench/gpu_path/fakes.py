@@ -153,16 +153,18 @@ def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_siz
                      num_kv_heads: int, head_size: int, num_blocks: int, engine_id: str,
                      kv_role: str = "kv_both", dtype: torch.dtype = torch.bfloat16,
                      forward_context: dict[str, Any] | None = None,
-                     sliding: tuple[str, ...] = ()):
+                     sliding: tuple[str, ...] = (), state: tuple[str, ...] = ()):
     """(vllm_config, kv_cache_config) as vLLM hands them to a connector: the parts it reads.
     ``forward_context``: vLLM's attention layers by name (an fp8 cache's k/v scales).
     ``sliding``: layers in a second KV cache group of sliding-window layers (a window of two
-    blocks), as vLLM's hybrid KV cache manager groups them."""
+    blocks), as vLLM's hybrid KV cache manager groups them. ``state``: Mamba / gated-delta-net
+    layers in a group of their own (``STATE_SHAPES``, vLLM's mamba cache mode 'align')."""
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -176,13 +178,23 @@ def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_siz
         compilation_config=SimpleNamespace(static_forward_context=forward_context or {}))
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
                              head_size=head_size, dtype=dtype)
-    groups = [KVCacheGroupSpec([n for n in layer_names if n not in sliding], spec)]
+    groups = [KVCacheGroupSpec([n for n in layer_names if n not in sliding + state], spec)]
     if sliding:
         groups.append(KVCacheGroupSpec(list(sliding), SlidingWindowSpec(
             block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
             sliding_window=2 * block_size)))
+    if state:
+        groups.append(KVCacheGroupSpec(list(state), MambaSpec(
+            block_size=block_size, shapes=STATE_SHAPES, dtypes=STATE_DTYPES,
+            mamba_cache_mode="align")))
     kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     return vcfg, kcfg
+
+
+# a small gated-delta-net layer's state: a bf16 conv state and an fp32 recurrent state
+STATE_SHAPES = ((3, 64), (2, 16, 16))
+STATE_DTYPES = (torch.bfloat16, torch.float32)
+STATE_BYTES = 3 * 64 * 2 + 2 * 16 * 16 * 4
 
 
 def build_worker(extra: dict[str, Any], layer_names: list[str], *, engine_id: str,

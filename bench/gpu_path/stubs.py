@@ -79,6 +79,22 @@ def stub_vllm() -> None:
         pass
 
     @dataclass
+    class MambaSpec:  # a Mamba / linear-attention layer's state (vLLM's fields the connector reads)
+        block_size: int
+        shapes: tuple
+        dtypes: tuple
+        mamba_cache_mode: str = "align"
+        num_speculative_blocks: int = 0
+
+        @property
+        def state_content_size_bytes(self) -> int:
+            import math
+
+            import torch
+            return sum(math.prod(s) * torch.empty((), dtype=d).element_size()
+                       for s, d in zip(self.shapes, self.dtypes))
+
+    @dataclass
     class KVCacheGroupSpec:
         layer_names: list
         kv_cache_spec: Any
@@ -91,7 +107,7 @@ def stub_vllm() -> None:
 
     kvi = _module("vllm.v1.kv_cache_interface")
     for cls in (AttentionSpec, FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec,
-                KVCacheGroupSpec, KVCacheConfig):
+                MambaSpec, KVCacheGroupSpec, KVCacheConfig):
         setattr(kvi, cls.__name__, cls)
 
 

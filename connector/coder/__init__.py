@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from turbowire.connector.codecs import chunk_nbytes as exact_chunk_nbytes
 from turbowire.connector.coder.base import (
     BlobPlan,
     CacheCoder,
@@ -65,11 +66,15 @@ def make_coder(
     size of a chunk (``encoded_nbytes``, cached by the caller)."""
     if chunk_nbytes is None:
         def chunk_nbytes(layer: int, tokens: int, block_index: int) -> int:
-            heads = geometry.layers[layer].num_kv_heads
-            return int(codec.encoded_nbytes(layer, tokens, heads,
-                                            block_index * geometry.block_size))
+            return exact_chunk_nbytes(codec, geometry, layer, tokens, block_index)
     if kind == "auto":
-        kind = "cuda" if cuda_serves(codec, caches.tensors) else "host"
+        # a hybrid model's state layers are copied raw by the host coder's per-layer calls
+        # (Triton for the attention layers of CUDA caches): the CUDA coder's plans code K/V only
+        cuda = not geometry.state_groups and cuda_serves(codec, caches.tensors)
+        kind = "cuda" if cuda else "host"
+    if kind == "cuda" and geometry.state_groups:
+        raise ValueError("the CUDA coder serves attention layers only; this model has "
+                         "Mamba / linear-attention state layers (the host coder moves them)")
     if kind == "cuda":
         return CudaCoder(codec, geometry, caches, layout, staging, recv, chunk_nbytes,
                          mode="layer" if save_schedule == "layerwise" else "batched",

@@ -26,9 +26,11 @@ from turbowire.kernels import (
     EncodeItem,
     decode_into,
     decode_layers_into,
+    decode_state_into,
     decode_tail_into,
     encode_into,
     encode_layers_into,
+    encode_state_into,
 )
 
 if TYPE_CHECKING:
@@ -149,6 +151,9 @@ class HostCoder:
 
     def _encode_layer(self, layer: int, saves: Sequence[SaveRequest]) -> None:
         assert self.staging is not None and self.layout is not None
+        if self.geometry.layers[layer].is_state:
+            self._encode_state(layer, saves)
+            return
         items, promised = [], []
         bs = self.geometry.block_size
         group = self.geometry.layers[layer].group
@@ -170,6 +175,26 @@ class HostCoder:
         check_sizes(written, promised, self.layout.full_chunk_bytes[layer], layer)
         self._done.add(layer)
 
+    def _encode_state(self, layer: int, saves: Sequence[SaveRequest]) -> None:
+        """A state layer: the state chunk of each block its group's table holds (the block with
+        the state at the prompt's end, in the step that finishes the prompt)."""
+        assert self.staging is not None and self.layout is not None
+        group = self.geometry.layers[layer].group
+        t0 = time.perf_counter()
+        for save in saves:
+            table = save.table(group)
+            for block in save.blocks:
+                if table[block.index] == NO_BLOCK:
+                    continue
+                written = encode_state_into(
+                    self.caches.layouts[layer], layer, self.geometry.num_layers,
+                    table[block.index], block.tag, self.staging,
+                    self.layout.chunk_offset(block.slot, layer))
+                check_sizes([written], [self.chunk_nbytes(layer, block.num_tokens, block.index)],
+                            self.layout.full_chunk_bytes[layer], layer)
+        self._seconds += time.perf_counter() - t0
+        self._done.add(layer)
+
     # ------------------------------------------------------------------ load
     def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> None:
         """Nothing to get ready: each group decodes when it lands."""
@@ -186,6 +211,17 @@ class HostCoder:
         for layer in layers:
             items = []
             group_table = load.table(self.geometry.layers[layer].group)
+            if self.geometry.layers[layer].is_state:
+                for bi, block in enumerate(load.blocks):
+                    if group_table[block.index] != NO_BLOCK:
+                        off, size = chunks[(bi, layer)]
+                        decode_state_into(self.caches.layouts[layer], layer,
+                                          self.geometry.num_layers, group_table[block.index],
+                                          self.recv, recv_offset + off, size, block.tag)
+                continue
+            # a hybrid model's partial block: the slots past its tokens are zeroed, as vLLM
+            # zeroes the blocks it allocates for models with Mamba layers (see zero_blocks)
+            partial = []
             for bi, block in enumerate(load.blocks):
                 if group_table[block.index] == NO_BLOCK:  # not held by this layer's group
                     continue
@@ -193,6 +229,9 @@ class HostCoder:
                 items.append(DecodeItem(block_ids=group_table, token_start=block.index * bs,
                                         num_tokens=block.num_tokens, in_offset=recv_offset + off,
                                         nbytes=size, expected_tag=block.tag))
+                if block.num_tokens < bs and self.geometry.state_groups:
+                    partial.append(group_table[block.index])
+            self.caches.layouts[layer].zero_blocks(self.caches.tensors[layer], partial)
             decode_into(self.codec, layer, self.caches.tensors[layer],
                         self.caches.layouts[layer], items, self.recv,
                         kv_scales=self.caches.kv_scales(layer))

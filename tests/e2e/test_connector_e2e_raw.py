@@ -49,11 +49,13 @@ def stack(tiny_model, engine_slot, tmp_path_factory):
     group.stop()
 
 
-def pd(stack: PDStack, prompt, max_tokens: int = 12, request_id: str | None = None) -> dict:
+def pd(stack: PDStack, prompt, max_tokens: int = 12, request_id: str | None = None,
+       **body) -> dict:
+    """A greedy completion through the proxy (``body``: more request fields, e.g. logprobs)."""
     headers = {"X-Request-Id": request_id} if request_id else {}
     r = httpx.post(stack.proxy.url + "/v1/completions", timeout=300, headers=headers,
                    json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                         "temperature": 0})
+                         "temperature": 0, **body})
     assert r.status_code == 200, r.text
     return r.json()
 

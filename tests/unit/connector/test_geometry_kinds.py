@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -115,12 +116,78 @@ def test_groups_of_other_kinds_are_still_refused():
         KVGeometry.from_kv_cache_config(config)
 
 
-def test_a_hybrid_model_is_refused_by_name_before_vllm_groups_its_cache():
-    from turbowire.connector.connector import TurboWireConnector
+def mamba_spec(mode: str = "align", spec_blocks: int = 0) -> MambaSpec:
+    """A gated-delta-net layer's state as vLLM specs it: a bf16 conv state and an fp32 SSM
+    state in one page padded to an attention page."""
+    return MambaSpec(block_size=32, shapes=((3, 256), (4, 32, 32)),
+                     dtypes=(torch.bfloat16, torch.float32), page_size_padded=32768,
+                     mamba_cache_mode=mode, num_speculative_blocks=spec_blocks)
 
-    hybrid = SimpleNamespace(model_config=SimpleNamespace(
-        is_hybrid=True, architectures=["JambaForCausalLM"]))
-    with pytest.raises(GeometryError, match="JambaForCausalLM is a hybrid model"):
-        TurboWireConnector.get_required_kvcache_layout(hybrid)
-    dense = SimpleNamespace(model_config=SimpleNamespace(is_hybrid=False, architectures=["X"]))
-    assert TurboWireConnector.get_required_kvcache_layout(dense) is None
+
+def hybrid_config(**spec) -> KVCacheConfig:
+    """Qwen3-Next-style: GDN layers 0 and 2 (group 0), full attention on 1 and 3 (group 1)."""
+    names = [f"model.layers.{i}.{'linear_attn' if i % 2 == 0 else 'self_attn.attn'}"
+             for i in range(4)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(names[0::2], mamba_spec(**spec)),
+        KVCacheGroupSpec(names[1::2], FullAttentionSpec(**SHAPE)),
+    ])
+
+
+def test_a_hybrid_models_state_layers_follow_its_attention_layers():
+    """The codec codes the attention layers (its indices 0..n-1); each state layer keeps its
+    group and its state bytes (conv 3 x 256 bf16 + SSM 4 x 32 x 32 fp32), not the padding."""
+    geo = KVGeometry.from_kv_cache_config(hybrid_config())
+    assert [layer.name for layer in geo.layers] == [
+        "model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn",
+        "model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    assert [layer.is_state for layer in geo.layers] == [False, False, True, True]
+    assert [layer.group for layer in geo.layers] == [1, 1, 0, 0]
+    assert geo.layers[2].state_bytes == 3 * 256 * 2 + 4 * 32 * 32 * 4
+    assert geo.num_attention_layers == 2 and geo.state_groups == frozenset({0})
+    assert geo.head_dim == 64 and geo.dense_bytes_per_token() == 2 * 2 * 2 * 64 * 2
+    from turbowire.connector.codecs import chunk_nbytes, make_codec
+
+    codec = make_codec("tq4", geo)
+    assert codec.num_layers == 2
+    assert chunk_nbytes(codec, geo, 3, 5, 0) == chunk_nbytes(codec, geo, 3, 32, 7) == 32 + 17920
+
+
+@pytest.mark.parametrize("spec,match", [
+    (dict(mode="none"), "prefix caching on.*mode 'none'"),
+    (dict(spec_blocks=2), "speculative decoding on a hybrid model"),
+])
+def test_a_state_layout_the_connector_does_not_follow_is_refused(spec, match):
+    with pytest.raises(GeometryError, match=match):
+        KVGeometry.from_kv_cache_config(hybrid_config(**spec))
+
+
+def test_only_the_block_with_the_state_at_the_prompts_end_moves():
+    from turbowire.connector.geometry import keep_state_blocks
+    from turbowire.kernels import NO_BLOCK
+
+    tables = [[NO_BLOCK, 7, 9, 11], [1, 2, 3, 4]]
+    assert keep_state_blocks(tables, frozenset({0}), 3) == [[NO_BLOCK, NO_BLOCK, 9, NO_BLOCK],
+                                                            [1, 2, 3, 4]]
+    # a step that does not finish the prompt stages no state
+    assert keep_state_blocks(tables, frozenset({0}), 3, final=False)[0] == [NO_BLOCK] * 4
+    assert keep_state_blocks(tables, frozenset(), 3) is tables
+
+
+@pytest.mark.parametrize("transport", ["store", "both"])
+def test_the_store_refuses_a_hybrid_model(transport):
+    """A stored chunk carries K/V only; a later request could not resume the state from it."""
+    from support.fakes import stand_in_configs
+
+    from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
+    from turbowire.connector.spec import EngineSetup
+
+    extra = {"preset": "tq4", "staging_bytes": "1MiB", "transport": transport,
+             "store_url": "redis://127.0.0.1:1"}
+    names = [f"model.layers.{i}.x" for i in range(4)]
+    vcfg, _ = stand_in_configs(extra, names, block_size=32, num_kv_heads=2, head_size=64,
+                               num_blocks=64, engine_id="e")
+    vcfg.model_config.get_num_layers = lambda parallel_config: len(names)
+    cfg = TurboWireConfig.from_extra_config(extra, environ={})
+    with pytest.raises(ConnectorConfigError, match="does not serve hybrid models.*'nixl'"):
+        EngineSetup.build(vcfg, hybrid_config(), cfg)
