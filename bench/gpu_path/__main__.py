@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_path import check, groups
+from bench.gpu_path import check, groups, state
 from bench.gpu_path.case import CaseConfig, case_ok, run_case
 from bench.gpu_path.load import DECODE_VARIANTS
 from bench.gpu_path.rig import DEVICE, PRESETS, SMOKE, STUBS, TOKENS
@@ -104,7 +104,8 @@ def run_checks(presets: list[str], args: argparse.Namespace, report: dict[str, A
     if args.skip_check:
         return
     for preset in presets:
-        for part in (check.connector_check, check.store_check, groups.groups_check):
+        for part in (check.connector_check, check.store_check, groups.groups_check,
+                     state.state_check):
             try:
                 report["checks"].append(part(preset, log))
             except Exception as exc:  # noqa: BLE001 - reported, the other parts still run

@@ -85,6 +85,9 @@ def test_bench_gpu_path_smoke(tmp_path: Path) -> None:
                              and c["corruption_refused"] and c["ok"] for c in connector)
     groups = [c for c in report["checks"] if c.get("check") == "groups_check"]
     assert groups and all(c["ok"] and c["chunks_skipped"] > 0 for c in groups), groups
+    state = [c for c in report["checks"] if c.get("check") == "state_check"]
+    assert state and all(c["ok"] and c["state_moved"] and c["coder"] == "HostCoder"
+                         for c in state), state
     case = report["results"][0]
     assert all(case["staging_equal"].values())
     assert case["decode_equal_held_loads"]
