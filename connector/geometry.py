@@ -139,8 +139,8 @@ class KVGeometry:
         layer takes its blocks from its group's table, and a sliding window's freed blocks do
         not move); a model whose every layer slides (a ``SlidingWindowSpec`` group: vLLM frees
         the blocks the window leaves, ``frees_out_of_window``); Mamba / gated-delta-net layers
-        beside attention (``MambaSpec`` groups, with vLLM's prefix caching on: their state
-        moves raw). Refused with the reason: MLA latents and other cache kinds."""
+        beside attention (``MambaSpec`` groups: their state moves raw). Refused with the
+        reason: MLA latents, speculative decoding on a hybrid and other cache kinds."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         groups = kv_cache_config.kv_cache_groups
@@ -151,8 +151,9 @@ class KVGeometry:
         for group_index, group in enumerate(groups):
             spec: Any = group.kv_cache_spec
             if type(spec) is MambaSpec:
+                # a state is per request: its group's block size (the attention one with
+                # prefix caching, else the model length) does not place it
                 state_bytes = _served_state_bytes(spec, group.layer_names)
-                block_sizes.add(spec.block_size)
                 layers.extend(LayerSpec(name=name, num_kv_heads=0, head_dim=0,
                                         is_draft=is_draft(name), group=group_index,
                                         state_bytes=state_bytes)
@@ -196,13 +197,6 @@ class KVGeometry:
 def _served_state_bytes(spec: Any, layer_names: list[str]) -> int:
     """A Mamba / linear-attention group's state bytes per request, or why it is not served."""
     where = f"Mamba / linear-attention layers {layer_names[:3]}..."
-    mode = getattr(spec, "mamba_cache_mode", "none")
-    if mode != "align":
-        raise GeometryError(
-            f"{where}: turbowire moves their state with vLLM's prefix caching on (mamba cache "
-            f"mode 'align', the state kept at block boundaries); this engine runs mode "
-            f"{mode!r}: drop --no-enable-prefix-caching / --mamba-cache-mode {mode}"
-        )
     if getattr(spec, "num_speculative_blocks", 0):
         raise GeometryError(
             f"{where}: speculative decoding on a hybrid model is not served yet (its state "
@@ -213,11 +207,12 @@ def _served_state_bytes(spec: Any, layer_names: list[str]) -> int:
 
 def keep_state_blocks(tables: list[list[int]], state_groups: frozenset[int],
                       num_blocks: int, final: bool = True) -> list[list[int]]:
-    """A request's group tables with each state group's table reduced to the one block that
-    moves: its block ``num_blocks - 1``, where vLLM keeps the state after the request's first
-    ``num_blocks`` blocks of tokens (its mamba cache mode 'align'), and only once those tokens
-    are ``final`` (the step that finishes the prompt); every other entry ``NO_BLOCK``, so no
-    other state block is staged, read or written."""
+    """A request's group tables with each state group's table replaced by the one block that
+    moves, at the position of the prompt's last block (``num_blocks - 1``): the group's last
+    block, where vLLM keeps the running state (its rule, ``clip_ssm_state_blocks``: in mamba
+    cache mode 'align' the block of the last computed token, in mode 'none' the request's one
+    block), and only once the prompt's tokens are ``final`` (the step that finishes it). Every
+    other position is ``NO_BLOCK``, so no other state block is staged, read or written."""
     from turbowire.kernels import NO_BLOCK
 
     if not state_groups:
@@ -225,9 +220,9 @@ def keep_state_blocks(tables: list[list[int]], state_groups: frozenset[int],
     out = []
     for group, table in enumerate(tables):
         if group in state_groups:
-            kept = [NO_BLOCK] * len(table)
-            if final and 0 < num_blocks <= len(table):
-                kept[num_blocks - 1] = table[num_blocks - 1]
+            kept = [NO_BLOCK] * num_blocks
+            if final and num_blocks > 0 and table:
+                kept[-1] = table[-1]
             table = kept
         out.append(table)
     return out

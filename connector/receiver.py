@@ -132,7 +132,10 @@ class Receiver(Heartbeats):
         first_block = first_token // self.block_size
         last_block = blocks_for_tokens(total, self.block_size)
         groups = blocks.blocks
-        allocated = min(len(group) for group in groups)
+        # a state group holds one block per request (vLLM's mamba cache mode 'none') or one
+        # per block of tokens ('align'): its last one is the state's, whatever the count
+        allocated = min(len(group) for g, group in enumerate(groups)
+                        if g not in self.state_groups)
         if allocated < last_block:
             logger.error(
                 "request %s: %d local blocks allocated, %d needed; loading nothing",
@@ -140,9 +143,10 @@ class Receiver(Heartbeats):
             )
             self._queue(_load_request(req_id, remote, peer, []))
             return
-        tables = [[NO_BLOCK if b.is_null else b.block_id for b in group[:last_block]]
-                  for group in groups]
-        # a state layer's state after the loaded tokens goes into the block of the last one
+        tables = [[NO_BLOCK if b.is_null else b.block_id
+                   for b in (group if g in self.state_groups else group[:last_block])]
+                  for g, group in enumerate(groups)]
+        # a state layer's state after the loaded tokens goes into the group's last block
         tables = keep_state_blocks(tables, self.state_groups, last_block)
         load_blocks = [
             LoadBlock(

@@ -197,6 +197,7 @@ TINY_ARCHITECTURES: dict[str, str] = {
     "gemma3-w40": "Gemma-3, 6 layers: two sliding (a 40-token window, not a multiple of the "
                   "32-token block) per full layer",
     "qwen3-next": "Qwen3-Next: gated-delta-net linear attention beside full attention, MoE",
+    "granite4": "Granite 4: Mamba-2 layers beside full attention, MoE",
 }
 
 
@@ -222,6 +223,14 @@ def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a 
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
             linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    if arch == "granite4":
+        from transformers import GraniteMoeHybridConfig
+
+        cfg = {k: v for k, v in common.items() if k != "head_dim"}  # hidden / heads = 64
+        return GraniteMoeHybridConfig(
+            **cfg, layer_types=["mamba", "attention"] * 2, mamba_n_heads=8, mamba_d_head=64,
+            mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=64, num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=256)
     if arch == "mistral-swa":
         cfg = MistralConfig(**common, sliding_window=TINY_WINDOW)
         cfg.layer_types = ["sliding_attention"] * 4  # vLLM reads the window per layer from here

@@ -14,9 +14,10 @@ slide:
   leaves (its null block takes their place in both engines' tables), so only the blocks still
   in the window move, and the decode engine never writes its null block.
 
-* The Qwen3-Next-style hybrid puts its gated-delta-net layers in a group of their own (vLLM's
-  ``MambaSpec``): the attention layers' blocks move coded, each GDN layer's state moves raw,
-  one state chunk per layer, taken from the block holding the state at the prompt's end.
+* The hybrids (Qwen3-Next-style gated delta net, Granite-4-style Mamba-2) put their state
+  layers in a group of their own (vLLM's ``MambaSpec``): the attention layers' blocks move
+  coded, each state layer's state moves raw, one state chunk per layer, taken from the block
+  holding the state at the prompt's end.
 
 Refusals (MLA; a hybrid's state without prefix caching or with speculative decoding) are in
 tests/unit/connector/test_geometry_kinds.py."""
@@ -40,9 +41,10 @@ WINDOW = {"gemma3-w40": 40}  # its sliding window (TINY_WINDOW unless here)
 # step, so the prefill engine saves its last blocks after vLLM freed the first ones
 PROMPTS = (40, 7 * BLOCK_SIZE + 5, 1100)
 assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
-HYBRID = "qwen3-next"
-# README's rows served on real engines; the hybrid has a test of its own (below)
-ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa", "qwen3-next")
+HYBRIDS = ("qwen3-next", "granite4")  # state layers beside attention: their own test (below)
+# README's rows served on real engines
+ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa", "qwen3-next",
+                 "granite4")
 SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "gemma3-w40": (0, 1, 3, 4),
            "mistral-swa": (0, 1, 2, 3)}  # the tiny models' sliding layers
 PRESETS = {"gemma3-w40": ("raw",)}  # presets run per architecture (raw and tq4 unless here)
@@ -70,7 +72,7 @@ def wire_bytes(preset: str, n: int, blocks: list[range]) -> int:
 
 
 @pytest.mark.parametrize("arch,preset,hma", [
-    *[(arch, preset, True) for arch in ARCHITECTURES if arch != HYBRID
+    *[(arch, preset, True) for arch in ARCHITECTURES if arch not in HYBRIDS
       for preset in PRESETS.get(arch, ("raw", "tq4"))],
     ("gemma3", "raw", False),  # the hybrid manager off: one group, every block moves
 ])
@@ -100,43 +102,56 @@ def test_architecture_hands_the_prompt_over(arch, preset, hma, engine_slot, tmp_
         group.stop()
 
 
-# Qwen3-Next-style hybrid: gated-delta-net layers 0 and 2 (state), full attention on 1 and 3.
-# vLLM raises the attention block until one attention page (160 tokens x 512 B) holds a GDN
-# layer's state
-HYBRID_BLOCK = 160
-# a tiny GDN layer's state (turbowire.models): conv [kernel 4 - 1, 2 x 2 x 64 keys + 4 x 64
-# values] bf16, then the recurrent state [4 value heads, 64, 64] fp32
-HYBRID_STATE_BYTES = 3 * (2 * 2 * 64 + 4 * 64) * 2 + 4 * 64 * 64 * 4
+# Hybrids: state layers 0 and 2 (gated delta net / Mamba-2), full attention on 1 and 3. vLLM
+# raises the attention block until one attention page (512 B a token) holds a layer's state:
+# Qwen3-Next's conv [kernel 4 - 1, 2 x 2 x 64 keys + 4 x 64 values] bf16 and recurrent state
+# [4 value heads, 64, 64] fp32; Granite 4's conv [3, 512 + 2 x 64] bf16 and SSM [8, 64, 64] fp32.
+HYBRID_BLOCK = {"qwen3-next": 160, "granite4": 288}
+HYBRID_STATE_BYTES = {"qwen3-next": 3 * (2 * 2 * 64 + 4 * 64) * 2 + 4 * 64 * 64 * 4,
+                      "granite4": 3 * (512 + 2 * 64) * 2 + 8 * 64 * 64 * 4}
+NO_PREFIX_CACHING = ("--no-enable-prefix-caching",)
 
 
-@pytest.mark.parametrize("preset", ["raw", "tq4"])
-def test_a_hybrid_model_hands_over_kv_and_state(preset, engine_slot, tmp_path_factory):
-    """Attention KV coded, each GDN layer's state raw, one state chunk per layer: the state
+@pytest.mark.parametrize("arch,preset,caching", [
+    ("qwen3-next", "raw", True), ("qwen3-next", "tq4", True), ("qwen3-next", "raw", False),
+    # vLLM CPU's Mamba-2 scan returns no per-chunk states, which its prefix caching (mamba
+    # cache mode 'align') indexes on prompts past one chunk: Granite 4 runs with it off
+    ("granite4", "raw", False), ("granite4", "tq4", False),
+])
+def test_a_hybrid_model_hands_over_kv_and_state(arch, preset, caching, engine_slot,
+                                                tmp_path_factory):
+    """Attention KV coded, each state layer's state raw, one state chunk per layer: the state
     after the first n - 1 prompt tokens (vLLM's rule for Mamba: the prefill engine stops one
-    token short and the decode engine computes the last one from that state).
+    token short and the decode engine computes the last one from that state), taken from the
+    state group's last block (prefix caching on: the block of the last token, vLLM's mamba
+    cache mode 'align'; off: the request's one block, mode 'none').
 
     With ``raw`` the first token's distribution is the prefill engine's alone, to 0.03 nats
     over the top tokens both list. Not the greedy text: the decode engine steps the last
     prompt token from the state where the single engine scans the whole prompt in chunks, in
-    bf16, and this random model's next-token distribution is nearly flat (top logprobs about
-    -6.6), so near-ties may flip. Measured: 5 of 5 top tokens shared, differences under 0.008;
-    without the state (not loaded) 0 to 2 shared and 0.05 to 0.13 apart."""
-    model = ensure_tiny_model(HYBRID)
-    group, stack = start_stack(model, preset, tmp_path_factory.mktemp(f"logs-hybrid-{preset}"),
-                               64 << 20)
+    bf16, and these random models' next-token distributions are nearly flat (top logprobs
+    about -6.6), so near-ties may flip. Measured on Qwen3-Next: 5 of 5 top tokens shared,
+    differences under 0.008; without the state (not loaded) 0 to 2 shared, 0.05 to 0.13 apart."""
+    model = ensure_tiny_model(arch)
+    group, stack = start_stack(model, preset,
+                               tmp_path_factory.mktemp(f"logs-{arch}-{preset}-{caching}"),
+                               64 << 20, extra_args=() if caching else NO_PREFIX_CACHING)
     codec = Codec(preset, HEAD_DIM, 2)
+    block = HYBRID_BLOCK[arch]
     try:
         for i, n in enumerate(PROMPTS):
-            prompt = prompt_ids(9300 + 10 * i, n)
-            out = pd(stack, prompt, max_tokens=1, request_id=f"hybrid-{preset}-{n}", logprobs=5)
+            prompt = prompt_ids(9300 + 10 * i + len(arch), n)
+            out = pd(stack, prompt, max_tokens=1, request_id=f"{arch}-{preset}-{caching}-{n}",
+                     logprobs=5)
             load = out["kv_transfer_params"]["turbowire_load"]
             assert load["failed"] is None, load
             loaded = n - 1
             assert load["tokens"] == loaded, load
             attention = sum(
-                codec.encoded_nbytes(layer, min(HYBRID_BLOCK, loaded - start), KV_HEADS, start)
-                for layer in range(2) for start in range(0, loaded, HYBRID_BLOCK))
-            assert load["wire_bytes"] == attention + 2 * state_chunk_nbytes(HYBRID_STATE_BYTES)
+                codec.encoded_nbytes(layer, min(block, loaded - start), KV_HEADS, start)
+                for layer in range(2) for start in range(0, loaded, block))
+            state = 2 * state_chunk_nbytes(HYBRID_STATE_BYTES[arch])
+            assert load["wire_bytes"] == attention + state, load
             got = out["choices"][0]["logprobs"]["top_logprobs"][0]
             if preset == "raw":
                 alone = stack.complete(stack.prefill.url, prompt, 1, logprobs=5)

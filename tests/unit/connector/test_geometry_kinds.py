@@ -118,8 +118,9 @@ def test_groups_of_other_kinds_are_still_refused():
 
 def mamba_spec(mode: str = "align", spec_blocks: int = 0) -> MambaSpec:
     """A gated-delta-net layer's state as vLLM specs it: a bf16 conv state and an fp32 SSM
-    state in one page padded to an attention page."""
-    return MambaSpec(block_size=32, shapes=((3, 256), (4, 32, 32)),
+    state in one page padded to an attention page; with prefix caching off (mode 'none') one
+    block per request, of the model's length."""
+    return MambaSpec(block_size=32 if mode == "align" else 4096, shapes=((3, 256), (4, 32, 32)),
                      dtypes=(torch.bfloat16, torch.float32), page_size_padded=32768,
                      mamba_cache_mode=mode, num_speculative_blocks=spec_blocks)
 
@@ -134,10 +135,13 @@ def hybrid_config(**spec) -> KVCacheConfig:
     ])
 
 
-def test_a_hybrid_models_state_layers_follow_its_attention_layers():
+@pytest.mark.parametrize("mode", ["align", "none"])
+def test_a_hybrid_models_state_layers_follow_its_attention_layers(mode):
     """The codec codes the attention layers (its indices 0..n-1); each state layer keeps its
-    group and its state bytes (conv 3 x 256 bf16 + SSM 4 x 32 x 32 fp32), not the padding."""
-    geo = KVGeometry.from_kv_cache_config(hybrid_config())
+    group and its state bytes (conv 3 x 256 bf16 + SSM 4 x 32 x 32 fp32), not the padding; the
+    blocks are the attention layers' (a state group's block size does not place a state)."""
+    geo = KVGeometry.from_kv_cache_config(hybrid_config(mode=mode))
+    assert geo.block_size == 32
     assert [layer.name for layer in geo.layers] == [
         "model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn",
         "model.layers.0.linear_attn", "model.layers.2.linear_attn"]
@@ -153,25 +157,25 @@ def test_a_hybrid_models_state_layers_follow_its_attention_layers():
     assert chunk_nbytes(codec, geo, 3, 5, 0) == chunk_nbytes(codec, geo, 3, 32, 7) == 32 + 17920
 
 
-@pytest.mark.parametrize("spec,match", [
-    (dict(mode="none"), "prefix caching on.*mode 'none'"),
-    (dict(spec_blocks=2), "speculative decoding on a hybrid model"),
-])
-def test_a_state_layout_the_connector_does_not_follow_is_refused(spec, match):
-    with pytest.raises(GeometryError, match=match):
-        KVGeometry.from_kv_cache_config(hybrid_config(**spec))
+def test_speculative_decoding_on_a_hybrid_is_refused():
+    with pytest.raises(GeometryError, match="speculative decoding on a hybrid model"):
+        KVGeometry.from_kv_cache_config(hybrid_config(spec_blocks=2))
 
 
 def test_only_the_block_with_the_state_at_the_prompts_end_moves():
+    """vLLM keeps the running state in a state group's last block (mode 'align': the block of
+    the last computed token; mode 'none': the request's one block); it moves at the position of
+    the prompt's last block."""
     from turbowire.connector.geometry import keep_state_blocks
     from turbowire.kernels import NO_BLOCK
 
-    tables = [[NO_BLOCK, 7, 9, 11], [1, 2, 3, 4]]
-    assert keep_state_blocks(tables, frozenset({0}), 3) == [[NO_BLOCK, NO_BLOCK, 9, NO_BLOCK],
-                                                            [1, 2, 3, 4]]
+    align = [[NO_BLOCK, 7, 9], [1, 2, 3, 4]]
+    assert keep_state_blocks(align, frozenset({0}), 3) == [[NO_BLOCK, NO_BLOCK, 9],
+                                                           [1, 2, 3, 4]]
+    assert keep_state_blocks([[5], [1, 2, 3]], frozenset({0}), 3)[0] == [NO_BLOCK, NO_BLOCK, 5]
     # a step that does not finish the prompt stages no state
-    assert keep_state_blocks(tables, frozenset({0}), 3, final=False)[0] == [NO_BLOCK] * 4
-    assert keep_state_blocks(tables, frozenset(), 3) is tables
+    assert keep_state_blocks(align, frozenset({0}), 3, final=False)[0] == [NO_BLOCK] * 3
+    assert keep_state_blocks(align, frozenset(), 3) is align
 
 
 @pytest.mark.parametrize("transport", ["store", "both"])
