@@ -96,7 +96,7 @@ class KVGeometry:
     @property
     def state_groups(self) -> frozenset[int]:
         """The KV cache groups of state layers: their tables hold one block per request, the
-        one with the state at the prompt's end (``state_tables``)."""
+        one with the state at the prompt's end (``keep_state_blocks``)."""
         return frozenset(layer.group for layer in self.layers if layer.is_state)
 
     @property
@@ -181,14 +181,14 @@ class KVGeometry:
                         group=group_index,
                     )
                 )
+        if not dtypes:
+            raise GeometryError("the model has no attention layers with a KV cache to transfer")
         if len(block_sizes) != 1 or len(dtypes) > 1:
             raise GeometryError(
                 f"KV cache groups disagree on block size {sorted(block_sizes)} or dtype "
                 f"{sorted(dtypes)}; turbowire needs one of each (with the hybrid KV cache "
                 "manager on, --disable-hybrid-kv-cache-manager puts every layer in one group)"
             )
-        if not dtypes:
-            raise GeometryError("the model has no attention layers with a KV cache to transfer")
         layers.sort(key=lambda layer: (layer.is_state, layer_sort_key(layer.name)))
         return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop(),
                    frees_out_of_window=frees)
