@@ -214,6 +214,8 @@ class Codec:
     ) -> None:
         """Refuse a well-formed chunk that is not the one this decoder expects."""
         problems = []
+        if header.is_latent:
+            problems.append("an MLA latent chunk (turbowire.codec.latent decodes it)")
         if header.preset_id != self.preset.preset_id:
             try:
                 other = get_preset(header.preset_id).name

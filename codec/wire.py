@@ -12,8 +12,9 @@ Byte layout (little-endian; documented with the body sections in codec/FORMAT.md
     12  2    KV heads in the chunk
     14  2    head_dim
     16  1    source dtype (1 = bfloat16, 2 = float16)
-    17  1    flags (bit 0: the chunk starts the sequence, token_offset == 0)
-    18  2    reserved, zero
+    17  1    flags (bit 0: the chunk starts the sequence, token_offset == 0; bit 1: an MLA
+             latent chunk, turbowire.codec.latent)
+    18  2    a latent chunk's raw RoPE width (rope_dim); zero in a K/V chunk
     20  4    tokens in the chunk
     24  4    position of the chunk's first token in the sequence
     28  4    body bytes (a multiple of 16)
@@ -49,6 +50,7 @@ assert _HEADER.size == HEADER_BYTES
 DTYPE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
 FLAG_SEQUENCE_START = 1
+FLAG_LATENT = 2
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -83,6 +85,8 @@ class ChunkHeader:
     tag: int
     body_checksum: int
     version: int = FORMAT_VERSION
+    #: an MLA latent chunk's raw RoPE key width (``turbowire.codec.latent``); 0: a K/V chunk
+    rope_dim: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -93,11 +97,17 @@ class ChunkHeader:
     def sequence_start(self) -> bool:
         return self.token_offset == 0
 
+    @property
+    def is_latent(self) -> bool:
+        return self.rope_dim > 0
+
     def pack(self) -> bytes:
         flags = FLAG_SEQUENCE_START if self.sequence_start else 0
+        flags |= FLAG_LATENT if self.is_latent else 0
         head = _HEADER.pack(
             MAGIC, self.version, HEADER_BYTES // 16, self.preset_id, self.layer,
-            self.num_layers, self.num_heads, self.head_dim, DTYPE_CODES[self.dtype], flags, 0,
+            self.num_layers, self.num_heads, self.head_dim, DTYPE_CODES[self.dtype], flags,
+            self.rope_dim,
             self.num_tokens, self.token_offset, self.body_nbytes, self.tag, self.body_checksum, 0,
         )
         check = wsum32(torch.frombuffer(bytearray(head[:44]), dtype=torch.uint8))
@@ -129,7 +139,7 @@ def parse_header(buf: object) -> ChunkHeader:
         )
     raw = bytes(data[:HEADER_BYTES].cpu().numpy().tobytes())
     (magic, version, hunits, preset_id, layer, num_layers, heads, head_dim, dtype_code, flags,
-     reserved, tokens, offset, body_nbytes, tag, body_check, head_check) = _HEADER.unpack(raw)
+     rope_dim, tokens, offset, body_nbytes, tag, body_check, head_check) = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise FormatError(f"not a turbowire chunk (magic {magic!r}, expected {MAGIC!r})")
     if version != FORMAT_VERSION:
@@ -139,12 +149,16 @@ def parse_header(buf: object) -> ChunkHeader:
     expected = wsum32(torch.frombuffer(bytearray(raw[:44]), dtype=torch.uint8))
     if head_check != expected:
         raise ChecksumError(f"header checksum {head_check:#010x} != computed {expected:#010x}")
-    if hunits * 16 != HEADER_BYTES or reserved != 0:
-        raise FormatError("header size or reserved field is not what format version 1 defines")
+    if hunits * 16 != HEADER_BYTES:
+        raise FormatError("header size is not what format version 1 defines")
     if dtype_code not in CODE_DTYPES:
         raise FormatError(f"unknown source dtype code {dtype_code}")
-    if bool(flags & FLAG_SEQUENCE_START) != (offset == 0) or flags & ~FLAG_SEQUENCE_START:
+    if bool(flags & FLAG_SEQUENCE_START) != (offset == 0) or flags & ~(
+        FLAG_SEQUENCE_START | FLAG_LATENT
+    ):
         raise FormatError(f"flags {flags:#x} disagree with token offset {offset}")
+    if bool(flags & FLAG_LATENT) != (rope_dim > 0):
+        raise FormatError(f"flags {flags:#x} disagree with the RoPE width field {rope_dim}")
     if body_nbytes % ALIGN:
         raise FormatError(f"body size {body_nbytes} is not a multiple of {ALIGN}")
     if layer >= num_layers or heads == 0 or head_dim == 0 or tokens == 0:
@@ -156,6 +170,7 @@ def parse_header(buf: object) -> ChunkHeader:
         preset_id=preset_id, layer=layer, num_layers=num_layers, num_heads=heads,
         head_dim=head_dim, dtype=CODE_DTYPES[dtype_code], num_tokens=tokens, token_offset=offset,
         body_nbytes=body_nbytes, tag=tag, body_checksum=body_check, version=version,
+        rope_dim=rope_dim,
     )
 
 
