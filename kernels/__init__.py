@@ -35,7 +35,9 @@ vLLM's own write op; the C codec serves its strided and tiled placements, the re
 other. ``kernels/fp8_cache.py`` handles fp8 e4m3 caches (``KVScales``); ``kernels/quant_lut.py``
 holds the Triton encoder's Lloyd-Max lookup table. ``kernels/state.py`` (``StatePages``,
 ``encode_state_into``, ``decode_state_into``) moves a Mamba / linear-attention layer's state
-block raw in its checksummed chunk (``turbowire.codec.state``).
+block raw in its checksummed chunk (``turbowire.codec.state``); ``kernels/latent.py``
+(``LatentPages``) an MLA layer's ``[num_blocks, block_size, kv_lora_rank + rope]`` cache, coded
+as latent chunks (``turbowire.codec.latent``) by the reference on any device.
 
 Module graph: ``items`` and ``paged`` are leaves; ``dispatch`` imports the implementations, which
 never import ``dispatch`` (tests/unit/test_kernels_imports.py checks it).
@@ -52,6 +54,7 @@ from turbowire.kernels.dispatch import (
 )
 from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES, KVScales, is_fp8_cache, resolve_scales
 from turbowire.kernels.items import DecodeItem, EncodeItem
+from turbowire.kernels.latent import LatentPages
 from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.state import StatePages, decode_state_into, encode_state_into
 from turbowire.kernels.triton_common import (
@@ -75,6 +78,7 @@ __all__ = [
     "EncodeLayersPlan",
     "KVScales",
     "KernelConfig",
+    "LatentPages",
     "PagedKVLayout",
     "StatePages",
     "block_kernel_config",

@@ -12,7 +12,8 @@ Implementations, chosen per call by ``impl`` ("auto" unless a test or benchmark 
 * ``cpu_binding``, the C codec (kernels/cpu/), for CPU bf16/fp16 caches where it is built and
   applies (``impl="cpu"`` requires it).
 * the reference codec (``turbowire.codec``) with vectorised torch gather/scatter elsewhere
-  (``impl="reference"``).
+  (``impl="reference"``), and for an MLA layer's cache (a ``LatentPages`` layout: latent
+  chunks, ``kernels/latent.py``) on any device.
 
 All of them write the same bytes and raise the same exceptions. The items and their range check
 live in ``kernels/items.py``; the implementations import them from there, never from here.
@@ -30,6 +31,7 @@ from turbowire.codec import Codec
 from turbowire.kernels import cpu_binding, fp8_cache, triton_launch
 from turbowire.kernels.fp8_cache import KVScales
 from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
+from turbowire.kernels.latent import LatentPages, decode_latent_into, encode_latent_into
 from turbowire.kernels.paged import PagedKVLayout
 
 __all__ = [
@@ -82,6 +84,8 @@ def encode_into(
 
     fp8 caches (float8_e4m3fn or uint8 bits) need the layer's ``kv_scales`` = (k_scale,
     v_scale); their values are coded as bf16 (``kernels/fp8_cache.py``)."""
+    if isinstance(layout, LatentPages):
+        return encode_latent_into(codec, layer, kv_cache, layout, items, staging)
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
         return triton_launch.encode_into(
@@ -120,6 +124,9 @@ def decode_into(
     write any (nothing is written if one fails); the Triton path verifies each chunk in the
     program that decodes it, so the valid items of a call with a refused one are written.
     fp8 caches need the layer's ``kv_scales`` (see ``encode_into``)."""
+    if isinstance(layout, LatentPages):
+        decode_latent_into(codec, layer, kv_cache, layout, items, source)
+        return
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     if _use_triton(impl, codec, kv_cache):
         triton_launch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
@@ -155,6 +162,11 @@ def _per_job_scales(n_jobs: int, kv_scales: Sequence[Any] | None) -> list[Any]:
     return scales
 
 
+def _any_latent(jobs: Sequence[Any]) -> bool:
+    """MLA layers take the per-layer latent path (no batched Triton launch serves them)."""
+    return any(isinstance(job[2], LatentPages) for job in jobs)
+
+
 def encode_layers_into(
     codec: Codec,
     jobs: Sequence[EncodeJob],
@@ -177,7 +189,7 @@ def encode_layers_into(
     scales = _per_job_scales(len(jobs), kv_scales)
     if not jobs:
         return []
-    if _use_triton(impl, codec, jobs[0][1]):
+    if _use_triton(impl, codec, jobs[0][1]) and not _any_latent(jobs):
         resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
                     in zip(jobs, scales)]
         return triton_launch.encode_layers_into(codec, jobs, staging, kernel_config,
@@ -211,7 +223,7 @@ def decode_layers_into(
     scales = _per_job_scales(len(jobs), kv_scales)
     if not jobs:
         return
-    if _use_triton(impl, codec, jobs[0][1]):
+    if _use_triton(impl, codec, jobs[0][1]) and not _any_latent(jobs):
         resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
                     in zip(jobs, scales)]
         triton_launch.decode_layers_into(codec, jobs, source, kernel_config,
@@ -242,6 +254,9 @@ def decode_tail_into(
     if not 0 < skip_tokens < item.num_tokens:
         raise ValueError(f"skip_tokens={skip_tokens} must be inside the chunk's "
                          f"{item.num_tokens} tokens")
+    if isinstance(layout, LatentPages):
+        decode_latent_into(codec, layer, kv_cache, layout, [item], source, skip_tokens)
+        return
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
     check_range(source, item.in_offset, item.nbytes, "source")
     data = source[item.in_offset : item.in_offset + item.nbytes].cpu()

@@ -110,33 +110,8 @@ class PagedKVLayout:
 
         Everything is bounds-checked: ids may come from a remote peer.
         """
-        ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).cpu()
-        if num_tokens <= 0 or token_start < 0:
-            raise BlockIndexError(f"bad token range start={token_start} count={num_tokens}")
-        last = token_start + num_tokens - 1
-        if last // self.block_size >= ids.numel():
-            raise BlockIndexError(
-                f"tokens up to {last} need {last // self.block_size + 1} blocks, "
-                f"{ids.numel()} block ids given"
-            )
-        held = ids[ids != NO_BLOCK]
-        if held.numel() and (int(held.min()) < 0 or int(held.max()) >= self.num_blocks):
-            raise BlockIndexError(
-                f"block ids must be in 0..{self.num_blocks - 1}, "
-                f"got {int(held.min())}..{int(held.max())}"
-            )
-        if torch.unique(held).numel() != held.numel():
-            raise BlockIndexError("repeated block ids in one request")
-        t = torch.arange(token_start, token_start + num_tokens)
-        blocks = ids[t // self.block_size]
-        if bool((blocks == NO_BLOCK).any()):
-            raise BlockIndexError(
-                f"tokens {token_start}..{last} fall in a block the request does not hold"
-            )
-        slots = t % self.block_size
-        if device is not None:
-            blocks, slots = blocks.to(device), slots.to(device)
-        return blocks, slots
+        return block_slots(block_ids, token_start, num_tokens, self.num_blocks,
+                           self.block_size, device)
 
     def gather(
         self, kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, token_start: int,
@@ -161,3 +136,39 @@ class PagedKVLayout:
         kc, vc = self.views(kv_cache)
         kc[blocks, slots] = k.to(kv_cache.dtype)
         vc[blocks, slots] = v.to(kv_cache.dtype)
+
+
+def block_slots(
+    block_ids: Sequence[int] | torch.Tensor, token_start: int, num_tokens: int, num_blocks: int,
+    block_size: int, device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, slot) index tensors of tokens [token_start, token_start + num_tokens) of a
+    request whose blocks are ``block_ids`` in a cache of ``num_blocks`` blocks; every id and
+    the range are bounds-checked (they may come from a remote peer)."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).cpu()
+    if num_tokens <= 0 or token_start < 0:
+        raise BlockIndexError(f"bad token range start={token_start} count={num_tokens}")
+    last = token_start + num_tokens - 1
+    if last // block_size >= ids.numel():
+        raise BlockIndexError(
+            f"tokens up to {last} need {last // block_size + 1} blocks, "
+            f"{ids.numel()} block ids given"
+        )
+    held = ids[ids != NO_BLOCK]
+    if held.numel() and (int(held.min()) < 0 or int(held.max()) >= num_blocks):
+        raise BlockIndexError(
+            f"block ids must be in 0..{num_blocks - 1}, "
+            f"got {int(held.min())}..{int(held.max())}"
+        )
+    if torch.unique(held).numel() != held.numel():
+        raise BlockIndexError("repeated block ids in one request")
+    t = torch.arange(token_start, token_start + num_tokens)
+    blocks = ids[t // block_size]
+    if bool((blocks == NO_BLOCK).any()):
+        raise BlockIndexError(
+            f"tokens {token_start}..{last} fall in a block the request does not hold"
+        )
+    slots = t % block_size
+    if device is not None:
+        blocks, slots = blocks.to(device), slots.to(device)
+    return blocks, slots

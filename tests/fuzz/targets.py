@@ -2072,5 +2072,55 @@ def store_chain_inputs(salt: Any, lora: Any, mm: list[tuple[Any, Any, Any]],
     assert hashes == chunk_hashes(list(range(300)), 64, inputs=again)
 
 
+
+# ======================================================================================
+# MLA latent chunks: codec/latent.py through kernels.decode_into (a LatentPages cache)
+# ======================================================================================
+LATENT, ROPE = 256, 64
+
+
+@target(
+    prop="a mutated or forged latent chunk decodes to exactly the original rows or is refused "
+         "with a TurboWireError and writes nothing; a K/V chunk is refused as a latent chunk",
+    ci_examples=30,
+    preset=st.sampled_from(["raw", "tq4", "k8v4"]),
+    token_start=st.sampled_from([0, BLOCK, 2 * BLOCK]),
+    num_tokens=st.integers(1, BLOCK),
+    data=st.data(),
+)
+def decode_latent_chunk(preset: str, token_start: int, num_tokens: int,
+                        data: st.DataObject) -> None:
+    from turbowire.codec import Codec
+    from turbowire.kernels import DecodeItem, EncodeItem, LatentPages, decode_into, encode_into
+
+    codec = Codec(preset, 128, NUM_LAYERS)
+    g = torch.Generator().manual_seed(token_start + num_tokens)
+    src = torch.randn(NUM_BLOCKS, 1, BLOCK, LATENT + ROPE, generator=g).bfloat16()
+    pages = LatentPages.from_cache(src, LATENT, ROPE)
+    table = list(range(TABLE_BLOCKS))
+    staging = torch.zeros(1 << 16, dtype=torch.uint8)
+    (n,) = encode_into(codec, 1, src, pages, [EncodeItem(table, token_start, num_tokens, 0, 5)],
+                       staging)
+    if data.draw(st.booleans(), label="kv_chunk"):  # a K/V chunk where a latent one belongs
+        kv = codec.encode(1, torch.randn(num_tokens, 2, 128).bfloat16(),
+                          torch.randn(num_tokens, 2, 128).bfloat16(), tag=5,
+                          token_offset=token_start)
+        original = kv.to_bytes()
+    else:
+        original = bytes(staging[:n].numpy())
+    raw, kind = mutate_bytes(data, original, "chunk")
+    note(f"mutation {kind}, {len(raw)} of {len(original)} bytes")
+    source = torch.frombuffer(bytearray(raw or b"\0"), dtype=torch.uint8)
+    dst = torch.full_like(src, 3.0)
+    exc, _ = attempt("decode_into(latent)", decode_into, codec, 1, dst, pages,
+                     [DecodeItem([6, 7, 0, 1, 2, 3], token_start, num_tokens, 0, len(raw),
+                                 expected_tag=5)], source)
+    if exc is not None:
+        assert (dst == 3.0).all(), "a refused latent chunk wrote into the cache"
+        return
+    assert original != b"" and raw[:n] == bytes(staging[:n].numpy()), \
+        "a changed or K/V chunk was accepted as the latent chunk"
+
+
 __all__ = ["TARGETS", "FuzzTimeout", "Target", "UnexpectedError", "attempt", "single_threaded",
            "target"]
