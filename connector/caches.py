@@ -62,7 +62,7 @@ class EngineCaches:
                 f"{sorted(map(str, odd))}"
             )
         for layer, cache in enumerate(attention):
-            if not is_fp8_cache(cache):
+            if not is_fp8_cache(cache) or self.geometry.layers[layer].is_latent:
                 continue
             if cache.dim() != 5:
                 raise GeometryError(
@@ -82,7 +82,8 @@ class EngineCaches:
         (vLLM may compute them on the first forward pass); None for bf16/fp16 caches."""
         from turbowire.kernels import is_fp8_cache
 
-        if self.geometry.layers[layer].is_state or not is_fp8_cache(self.tensors[layer]):
+        spec = self.geometry.layers[layer]
+        if spec.is_state or spec.is_latent or not is_fp8_cache(self.tensors[layer]):
             return None
         attn = self._attention_layer(layer)
         if (
@@ -97,9 +98,11 @@ class EngineCaches:
         return float(attn._k_scale_float), float(attn._v_scale_float)
 
     def _layout_of(self, layer: int, cache: Any) -> Any:
-        from turbowire.kernels import PagedKVLayout, StatePages
+        from turbowire.kernels import LatentPages, PagedKVLayout, StatePages
 
         spec = self.geometry.layers[layer]
+        if spec.is_latent:
+            return LatentPages.from_cache(cache, spec.latent_dim, spec.rope_dim)
         if spec.is_state:
             pages = StatePages.from_cache(cache)
             if pages.state_bytes != spec.state_bytes:

@@ -28,13 +28,19 @@ def make_codec(preset: str, geometry: KVGeometry) -> Any:
 def chunk_nbytes(codec: Any, geometry: KVGeometry, layer: int, num_tokens: int,
                  block_index: int) -> int:
     """Exact bytes of the chunk of request block ``block_index`` of ``layer``: the codec's
-    size for an attention layer (the first block of a sequence carries extra rows), the state
+    size for an attention layer (the first block of a sequence carries extra rows; an MLA
+    layer's latent chunk), the state
     chunk's for a Mamba / linear-attention layer (one per request, whatever its tokens)."""
     spec = geometry.layers[layer]
     if spec.is_state:
         from turbowire.codec.state import state_chunk_nbytes
 
         return state_chunk_nbytes(spec.state_bytes)
+    if spec.is_latent:
+        from turbowire.codec.latent import latent_nbytes
+
+        return latent_nbytes(codec, layer, num_tokens, spec.latent_dim, spec.rope_dim,
+                             block_index * geometry.block_size)
     return int(codec.encoded_nbytes(layer, num_tokens, spec.num_kv_heads,
                                     block_index * geometry.block_size))
 

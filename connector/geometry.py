@@ -49,10 +49,22 @@ class LayerSpec:
     #: attention layer. Such a layer moves raw, one state chunk per request
     #: (``turbowire.codec.state``), from the block that holds the state at the prompt's end.
     state_bytes: int = 0
+    #: an MLA layer's raw RoPE key width; 0 for a K/V or state layer. Such a layer caches one
+    #: row per token, ``latent_dim`` (``num_kv_heads`` vectors of ``head_dim``: the codec's
+    #: vectors) then ``rope_dim``, moved as latent chunks (``turbowire.codec.latent``).
+    rope_dim: int = 0
 
     @property
     def is_state(self) -> bool:
         return self.state_bytes > 0
+
+    @property
+    def is_latent(self) -> bool:
+        return self.rope_dim > 0
+
+    @property
+    def latent_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim if self.is_latent else 0
 
 
 @dataclass(frozen=True)
@@ -119,9 +131,16 @@ class KVGeometry:
     def layer_index(self) -> dict[str, int]:
         return {layer.name: i for i, layer in enumerate(self.layers)}
 
+    @property
+    def has_latent(self) -> bool:
+        """An MLA model: its attention layers cache latent rows (``LayerSpec.rope_dim``)."""
+        return any(layer.is_latent for layer in self.layers)
+
     def dense_bytes_per_token(self, element_size: int = 2) -> int:
-        """Bytes of K and V per token over all layers in the engine's own dtype."""
-        return sum(2 * layer.num_kv_heads * layer.head_dim * element_size
+        """Bytes of KV per token over all layers in the engine's own dtype (K and V, or an
+        MLA layer's latent row)."""
+        return sum((layer.latent_dim + layer.rope_dim if layer.is_latent
+                    else 2 * layer.num_kv_heads * layer.head_dim) * element_size
                    for layer in self.attention_layers)
 
     @classmethod
@@ -129,6 +148,7 @@ class KVGeometry:
         cls,
         kv_cache_config: KVCacheConfig,
         is_draft: Callable[[str], bool] = lambda name: False,
+        mla_rope_dim: int = 0,
     ) -> KVGeometry:
         """Collect the layers of every KV cache group: attention layers in model order, then
         the state layers of a hybrid model in model order.
@@ -139,9 +159,16 @@ class KVGeometry:
         layer takes its blocks from its group's table, and a sliding window's freed blocks do
         not move); a model whose every layer slides (a ``SlidingWindowSpec`` group: vLLM frees
         the blocks the window leaves, ``frees_out_of_window``); Mamba / gated-delta-net layers
-        beside attention (``MambaSpec`` groups: their state moves raw). Refused with the
-        reason: MLA latents, speculative decoding on a hybrid and other cache kinds."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+        beside attention (``MambaSpec`` groups: their state moves raw); MLA layers
+        (``MLAAttentionSpec``, bf16/fp16: the latent coded, the ``mla_rope_dim``-wide RoPE part
+        raw). Refused with the reason: speculative decoding on a hybrid or with draft KV on an
+        MLA model, fp8 MLA caches and other cache kinds."""
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            MambaSpec,
+            MLAAttentionSpec,
+            SlidingWindowSpec,
+        )
 
         groups = kv_cache_config.kv_cache_groups
         layers: list[LayerSpec] = []
@@ -159,14 +186,23 @@ class KVGeometry:
                                         state_bytes=state_bytes)
                               for name in group.layer_names)
                 continue
-            # exact types: subclasses (MLA, sinks, R-SWA's middle gap) lay out or free blocks
-            # in ways this connector does not follow
+            if type(spec) is MLAAttentionSpec:
+                vectors, width = _served_latent(spec, group.layer_names, mla_rope_dim, is_draft)
+                block_sizes.add(spec.block_size)
+                dtypes.add(str(spec.dtype).removeprefix("torch."))
+                layers.extend(LayerSpec(name=name, num_kv_heads=vectors, head_dim=width,
+                                        is_draft=is_draft(name), group=group_index,
+                                        rope_dim=mla_rope_dim)
+                              for name in group.layer_names)
+                continue
+            # exact types: subclasses (sparse MLA, sinks, R-SWA's middle gap) lay out or free
+            # blocks in ways this connector does not follow
             if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
                 raise GeometryError(
                     f"KV cache group of {type(spec).__name__} (layers {group.layer_names[:3]}...) "
                     "is not supported: turbowire transfers standard K/V attention caches "
-                    "(full or sliding-window attention) and Mamba / linear-attention state, "
-                    "not MLA latents"
+                    "(full or sliding-window attention), MLA latents and Mamba / "
+                    "linear-attention state"
                 )
             frees = frees or type(spec) is SlidingWindowSpec
             block_sizes.add(spec.block_size)
@@ -192,6 +228,36 @@ class KVGeometry:
         layers.sort(key=lambda layer: (layer.is_state, layer_sort_key(layer.name)))
         return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop(),
                    frees_out_of_window=frees)
+
+
+LATENT_VECTOR_WIDTHS = (128, 64)  # the codec's vector width for an MLA latent, first that tiles
+
+
+def _served_latent(spec: Any, layer_names: list[str], rope_dim: int,
+                   is_draft: Callable[[str], bool]) -> tuple[int, int]:
+    """An MLA group's latent as (vectors, width) of the codec, or why it is not served."""
+    where = f"MLA layers {layer_names[:3]}..."
+    if str(spec.dtype).removeprefix("torch.") not in ("bfloat16", "float16") or (
+            spec.cache_dtype_str not in (None, "auto", "bfloat16", "float16")):
+        raise GeometryError(f"{where}: an MLA cache of {spec.cache_dtype_str or spec.dtype} is "
+                            "not served (bf16 or fp16: run vLLM with --kv-cache-dtype auto)")
+    if getattr(spec, "model_version", None) or spec.alignment:
+        raise GeometryError(f"{where}: this MLA variant ({spec.model_version or 'padded'}) "
+                            "lays out its cache in a way turbowire does not follow")
+    if any(is_draft(name) for name in layer_names):
+        raise GeometryError(f"{where}: speculative decoding with draft KV (MTP / EAGLE) on an "
+                            "MLA model is not served yet; serve it without a drafter that "
+                            "keeps KV, or with ngram speculation")
+    latent = int(spec.head_size) - rope_dim
+    if rope_dim <= 0 or latent <= 0:
+        raise GeometryError(f"{where}: the model config names no RoPE width "
+                            "(qk_rope_head_dim) that splits the cache row of "
+                            f"{spec.head_size} into latent and RoPE parts")
+    for width in LATENT_VECTOR_WIDTHS:
+        if latent % width == 0:
+            return latent // width, width
+    raise GeometryError(f"{where}: a latent of {latent} is not a multiple of "
+                        f"{' or '.join(map(str, LATENT_VECTOR_WIDTHS))}")
 
 
 def _served_state_bytes(spec: Any, layer_names: list[str]) -> int:

@@ -51,7 +51,7 @@ class EngineSetup:
     def build(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
               config: TurboWireConfig) -> EngineSetup:
         geometry = KVGeometry.from_kv_cache_config(
-            kv_cache_config, draft_layer_predicate(vllm_config)
+            kv_cache_config, draft_layer_predicate(vllm_config), mla_rope_dim(vllm_config)
         )
         codec = make_codec(config.preset, geometry)
         layout = StagingLayout.build(
@@ -73,6 +73,11 @@ class EngineSetup:
         ktc = vllm_config.kv_transfer_config
         store_scope = None
         if config.uses_store:
+            if geometry.has_latent:
+                raise ConnectorConfigError(
+                    "transport 'store' does not serve MLA models yet (DeepSeek V2/V3, Kimi): "
+                    "their latent chunks move over transport 'nixl'"
+                )
             if geometry.state_groups:
                 raise ConnectorConfigError(
                     "transport 'store' does not serve hybrid models (Mamba / linear-attention "
@@ -108,6 +113,14 @@ class EngineSetup:
         return cls(geometry, codec, layout, record, bool(ktc.is_kv_producer) and config.uses_nixl,
                    bool(ktc.is_kv_consumer) and config.uses_nixl, tp_size, store_scope,
                    speculative, max(speculative.prefill_backoff, config.recompute_recent_tokens))
+
+
+def mla_rope_dim(vllm_config: VllmConfig) -> int:
+    """The RoPE part of an MLA model's cache row (``qk_rope_head_dim``); 0 for other models."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None or not getattr(model_config, "use_mla", False):
+        return 0
+    return int(getattr(model_config.hf_text_config, "qk_rope_head_dim", 0) or 0)
 
 
 def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:

@@ -198,6 +198,7 @@ TINY_ARCHITECTURES: dict[str, str] = {
                   "32-token block) per full layer",
     "qwen3-next": "Qwen3-Next: gated-delta-net linear attention beside full attention, MoE",
     "granite4": "Granite 4: Mamba-2 layers beside full attention, MoE",
+    "deepseek-v2": "DeepSeek-V2: MLA on every layer (a 512 latent + 64 RoPE row), dense MLPs",
 }
 
 
@@ -231,6 +232,27 @@ def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a 
             **cfg, layer_types=["mamba", "attention"] * 2, mamba_n_heads=8, mamba_d_head=64,
             mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=64, num_local_experts=4,
             num_experts_per_tok=2, shared_intermediate_size=256)
+    if arch == "deepseek-v2":
+        from transformers import DeepseekV2Config
+
+        cfg = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
+        return DeepseekV2Config(
+            **cfg,
+            # vLLM's CPU MLA backend takes a 576-wide row only: kv_lora_rank 512 + RoPE 64
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+            q_lora_rank=None,
+            # YaRN with factor 1 is plain RoPE, computed by vLLM's DeepSeek rotary embedding in
+            # torch: vLLM CPU's default rotary kernel reads MLA's strided q_pe/k_pe wrongly
+            # (outputs then depend on the batch); real DeepSeek checkpoints use YaRN too
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            # a layer is MoE from first_k_dense_replace on: none here
+            first_k_dense_replace=4, n_routed_experts=4, n_shared_experts=1,
+            moe_intermediate_size=128, num_experts_per_tok=2,
+            # sharper than the default 0.02: next-token distributions that a lost or corrupted
+            # latent changes (the 0.02 model repeats one token from near-flat logits)
+            initializer_range=0.1)
     if arch == "mistral-swa":
         cfg = MistralConfig(**common, sliding_window=TINY_WINDOW)
         cfg.layer_types = ["sliding_attention"] * 4  # vLLM reads the window per layer from here

@@ -6,7 +6,8 @@ On the GPU machine (torch, triton, grpc; vLLM and NIXL stood in for where missin
 Triton's interpreter, tiny shapes (the code paths run, nothing is timed meaningfully).
 
 1. checks: the kernels' (``bench/kernels.py``) and the connector path's bit-exactness against
-   the reference codec on this device (``check.py``);
+   the reference codec on this device (``check.py``; KV cache groups ``groups.py``, a hybrid's
+   state layers ``state.py``, an MLA model's latent rows ``latent.py``);
 2. per case (tokens x preset): what saving adds to a stand-in forward (``save.py``), a held
    load's landed -> finished vs the one-launch decode (``load.py``), with ``--load-timeline``
    where that time goes (``timeline.py``).
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_path import check, groups, state
+from bench.gpu_path import check, groups, latent, state
 from bench.gpu_path.case import CaseConfig, case_ok, run_case
 from bench.gpu_path.load import DECODE_VARIANTS
 from bench.gpu_path.rig import DEVICE, PRESETS, SMOKE, STUBS, TOKENS
@@ -105,7 +106,7 @@ def run_checks(presets: list[str], args: argparse.Namespace, report: dict[str, A
         return
     for preset in presets:
         for part in (check.connector_check, check.store_check, groups.groups_check,
-                     state.state_check):
+                     state.state_check, latent.latent_check):
             try:
                 report["checks"].append(part(preset, log))
             except Exception as exc:  # noqa: BLE001 - reported, the other parts still run

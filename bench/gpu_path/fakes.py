@@ -153,18 +153,22 @@ def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_siz
                      num_kv_heads: int, head_size: int, num_blocks: int, engine_id: str,
                      kv_role: str = "kv_both", dtype: torch.dtype = torch.bfloat16,
                      forward_context: dict[str, Any] | None = None,
-                     sliding: tuple[str, ...] = (), state: tuple[str, ...] = ()):
+                     sliding: tuple[str, ...] = (), state: tuple[str, ...] = (),
+                     mla_rope_dim: int = 0):
     """(vllm_config, kv_cache_config) as vLLM hands them to a connector: the parts it reads.
     ``forward_context``: vLLM's attention layers by name (an fp8 cache's k/v scales).
     ``sliding``: layers in a second KV cache group of sliding-window layers (a window of two
     blocks), as vLLM's hybrid KV cache manager groups them. ``state``: Mamba / gated-delta-net
-    layers in a group of their own (``STATE_SHAPES``, vLLM's mamba cache mode 'align')."""
+    layers in a group of their own (``STATE_SHAPES``, vLLM's mamba cache mode 'align').
+    ``mla_rope_dim``: an MLA model (DeepSeek V2/V3): the attention group is an
+    ``MLAAttentionSpec`` of rows ``head_size`` wide, the last ``mla_rope_dim`` the RoPE part."""
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
+        MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
@@ -173,11 +177,16 @@ def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_siz
     vcfg = SimpleNamespace(
         kv_transfer_config=ktc,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
-        model_config=SimpleNamespace(model="/m/tiny", served_model_name="tiny"),
+        model_config=SimpleNamespace(
+            model="/m/tiny", served_model_name="tiny", use_mla=bool(mla_rope_dim),
+            hf_text_config=SimpleNamespace(qk_rope_head_dim=mla_rope_dim)),
         speculative_config=None,
         compilation_config=SimpleNamespace(static_forward_context=forward_context or {}))
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
-                             head_size=head_size, dtype=dtype)
+    spec: Any = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
+                                  head_size=head_size, dtype=dtype)
+    if mla_rope_dim:
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size,
+                                dtype=dtype, cache_dtype_str="auto")
     groups = [KVCacheGroupSpec([n for n in layer_names if n not in sliding + state], spec)]
     if sliding:
         groups.append(KVCacheGroupSpec(list(sliding), SlidingWindowSpec(

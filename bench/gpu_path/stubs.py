@@ -75,8 +75,11 @@ def stub_vllm() -> None:
     class SlidingWindowSpec(AttentionSpec):
         pass
 
-    class MLAAttentionSpec(AttentionSpec):
-        pass
+    @dataclass
+    class MLAAttentionSpec(AttentionSpec):  # vLLM's MLA fields the connector reads
+        cache_dtype_str: str | None = None
+        alignment: int | None = None
+        model_version: str | None = None
 
     @dataclass
     class MambaSpec:  # a Mamba / linear-attention layer's state (vLLM's fields the connector reads)

@@ -68,13 +68,16 @@ def make_coder(
         def chunk_nbytes(layer: int, tokens: int, block_index: int) -> int:
             return exact_chunk_nbytes(codec, geometry, layer, tokens, block_index)
     if kind == "auto":
-        # a hybrid model's state layers are copied raw by the host coder's per-layer calls
-        # (Triton for the attention layers of CUDA caches): the CUDA coder's plans code K/V only
-        cuda = not geometry.state_groups and cuda_serves(codec, caches.tensors)
+        # a hybrid model's state layers are copied raw and an MLA model's latent rows coded by
+        # the host coder's per-layer calls (Triton for the K/V layers of CUDA caches): the
+        # CUDA coder's plans code K/V only
+        cuda = (not geometry.state_groups and not geometry.has_latent
+                and cuda_serves(codec, caches.tensors))
         kind = "cuda" if cuda else "host"
-    if kind == "cuda" and geometry.state_groups:
-        raise ValueError("the CUDA coder serves attention layers only; this model has "
-                         "Mamba / linear-attention state layers (the host coder moves them)")
+    if kind == "cuda" and (geometry.state_groups or geometry.has_latent):
+        raise ValueError("the CUDA coder serves K/V attention layers only; this model has "
+                         "Mamba / linear-attention state layers or MLA latents (the host "
+                         "coder moves them)")
     if kind == "cuda":
         return CudaCoder(codec, geometry, caches, layout, staging, recv, chunk_nbytes,
                          mode="layer" if save_schedule == "layerwise" else "batched",

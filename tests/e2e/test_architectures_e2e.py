@@ -19,17 +19,25 @@ slide:
   coded, each state layer's state moves raw, one state chunk per layer, taken from the block
   holding the state at the prompt's end.
 
-Refusals (MLA; a hybrid's state without prefix caching or with speculative decoding) are in
-tests/unit/connector/test_geometry_kinds.py."""
+* The MLA model (DeepSeek-V2-style) caches one row per token and layer, a 512 latent and a
+  64-wide RoPE part: each block moves as one latent chunk per layer, the latent coded with the
+  preset's key stream, the RoPE part raw.
+
+Refusals (other cache kinds; a hybrid with speculative decoding; MLA with draft KV or fp8) are
+in tests/unit/connector/test_geometry_kinds.py and tests/unit/connector/test_mla_layers.py."""
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 from conftest import BLOCK_SIZE, start_stack
 from test_connector_e2e_raw import pd, prompt_ids, single, staging_bytes_for
 from test_presets_e2e import HEAD_DIM, KV_HEADS
 
 from turbowire.codec import Codec
+from turbowire.codec.latent import latent_nbytes
 from turbowire.codec.state import state_chunk_nbytes
 from turbowire.models import TINY_WINDOW, ensure_tiny_model
 
@@ -44,7 +52,8 @@ assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
 HYBRIDS = ("qwen3-next", "granite4")  # state layers beside attention: their own test (below)
 # README's rows served on real engines
 ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa", "qwen3-next",
-                 "granite4")
+                 "granite4", "deepseek-v2")
+MLA = ("deepseek-v2",)  # MLA latents: their own test (below)
 SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "gemma3-w40": (0, 1, 3, 4),
            "mistral-swa": (0, 1, 2, 3)}  # the tiny models' sliding layers
 PRESETS = {"gemma3-w40": ("raw",)}  # presets run per architecture (raw and tq4 unless here)
@@ -72,7 +81,7 @@ def wire_bytes(preset: str, n: int, blocks: list[range]) -> int:
 
 
 @pytest.mark.parametrize("arch,preset,hma", [
-    *[(arch, preset, True) for arch in ARCHITECTURES if arch not in HYBRIDS
+    *[(arch, preset, True) for arch in ARCHITECTURES if arch not in HYBRIDS + MLA
       for preset in PRESETS.get(arch, ("raw", "tq4"))],
     ("gemma3", "raw", False),  # the hybrid manager off: one group, every block moves
 ])
@@ -161,5 +170,44 @@ def test_a_hybrid_model_hands_over_kv_and_state(arch, preset, caching, engine_sl
                 assert max(abs(ref[t] - got[t]) for t in shared) < 0.03, (ref, got)
             else:
                 assert got and all(v > -1e9 for v in got.values()), got  # finite, produced
+    finally:
+        group.stop()
+
+
+def engine_block_size(url: str) -> int:
+    """The block size an engine really runs, from its ``vllm:cache_config_info`` gauge: vLLM
+    CPU's MLA backends choose their own (the reference backend 16, the AMX one the 32 asked)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', text)
+    assert found, "the engine exports no vllm:cache_config_info"
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4"])
+def test_an_mla_model_hands_over_its_latent_rows(preset, engine_slot, tmp_path_factory):
+    """DeepSeek-V2-style MLA on every layer (vLLM CPU: chunked prefill and prefix caching off,
+    its MLA backend's block size): every block of every layer moves as one latent chunk; with
+    ``raw`` the greedy output is the prefill engine's alone."""
+    model = ensure_tiny_model("deepseek-v2")
+    group, stack = start_stack(model, preset, tmp_path_factory.mktemp(f"logs-mla-{preset}"),
+                               64 << 20)
+    try:
+        block = engine_block_size(stack.decode.url)
+        assert block == engine_block_size(stack.prefill.url)
+        codec = Codec(preset, 128, 4)  # the 512 latent as 4 vectors of 128
+        for i, n in enumerate(PROMPTS):
+            prompt = prompt_ids(9500 + 10 * i, n)
+            out = pd(stack, prompt, max_tokens=8, request_id=f"mla-{preset}-{n}")
+            load = out["kv_transfer_params"]["turbowire_load"]
+            assert load["failed"] is None, load
+            assert load["tokens"] == n, load
+            assert load["wire_bytes"] == sum(
+                latent_nbytes(codec, layer, min(block, n - start), 512, 64, start)
+                for layer in range(4) for start in range(0, n, block)), load
+            text = out["choices"][0]["text"]
+            if preset == "raw":
+                assert text == single(stack, prompt, max_tokens=8)
+            else:
+                assert text.strip(), "a completion must be produced"
     finally:
         group.stop()

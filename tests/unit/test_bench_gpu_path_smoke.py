@@ -88,6 +88,9 @@ def test_bench_gpu_path_smoke(tmp_path: Path) -> None:
     state = [c for c in report["checks"] if c.get("check") == "state_check"]
     assert state and all(c["ok"] and c["state_moved"] and c["coder"] == "HostCoder"
                          for c in state), state
+    latent = [c for c in report["checks"] if c.get("check") == "latent_check"]
+    assert latent and all(c["ok"] and c["rope_exact"] and c["coder"] == "HostCoder"
+                          for c in latent), latent
     case = report["results"][0]
     assert all(case["staging_equal"].values())
     assert case["decode_equal_held_loads"]

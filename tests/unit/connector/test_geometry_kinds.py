@@ -14,6 +14,7 @@ import pytest
 import torch
 from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -80,8 +81,14 @@ def test_the_store_refuses_a_model_whose_every_layer_slides(transport):
         EngineSetup.build(vcfg, vllm_config_of("sfsf", hma=True), cfg)
 
 
-def test_mla_latents_are_refused_naming_the_kind():
-    with pytest.raises(GeometryError, match="MLAAttentionSpec.*not MLA latents"):
+def test_mla_latents_are_served_given_the_rope_width():
+    """vLLM's MLA group (one 576-wide row per token): 512 latent as 4 vectors of 128, and the
+    RoPE part the model config names; without that width the row cannot be split."""
+    geo = KVGeometry.from_kv_cache_config(vllm_config_of("mm"), mla_rope_dim=64)
+    assert [(layer.latent_dim, layer.rope_dim, layer.head_dim) for layer in geo.layers] == \
+        [(512, 64, 128)] * 2
+    assert geo.dense_bytes_per_token(2) == 2 * 576 * 2
+    with pytest.raises(GeometryError, match="qk_rope_head_dim"):
         KVGeometry.from_kv_cache_config(vllm_config_of("mm"))
 
 
@@ -109,10 +116,10 @@ def test_groups_of_other_kinds_are_still_refused():
     names = list(layer_specs("ff"))
     config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(names[:1], FullAttentionSpec(**SHAPE)),
-        KVCacheGroupSpec(names[1:], MLAAttentionSpec(**{**SHAPE, "num_kv_heads": 1,
-                                                        "head_size": 576})),
+        KVCacheGroupSpec(names[1:], ChunkedLocalAttentionSpec(**SHAPE,
+                                                              attention_chunk_size=64)),
     ])
-    with pytest.raises(GeometryError, match="MLAAttentionSpec"):
+    with pytest.raises(GeometryError, match="ChunkedLocalAttentionSpec.*not supported"):
         KVGeometry.from_kv_cache_config(config)
 
 
