@@ -106,7 +106,8 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
             ((bool, "{key} must be a non-empty preset name such as 'tq4' (got {value!r})"),),
         ),
         "Codec preset of the staged chunks (`turbowire presets` lists them: " + PRESET_LIST
-        + "). Both engines must use the same preset (checked at the handshake).",
+        + "). Both engines must use the same preset (checked at the handshake). An MLA "
+        "model's latent takes the preset's key stream (`k16v4` keeps it raw).",
         default=DEFAULT_PRESET,
     ),
     ConfigKey(

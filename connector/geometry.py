@@ -187,7 +187,7 @@ class KVGeometry:
                               for name in group.layer_names)
                 continue
             if type(spec) is MLAAttentionSpec:
-                vectors, width = _served_latent(spec, group.layer_names, mla_rope_dim, is_draft)
+                vectors, width = _served_latent(spec, group.layer_names, mla_rope_dim)
                 block_sizes.add(spec.block_size)
                 dtypes.add(str(spec.dtype).removeprefix("torch."))
                 layers.extend(LayerSpec(name=name, num_kv_heads=vectors, head_dim=width,
@@ -225,6 +225,10 @@ class KVGeometry:
                 f"{sorted(dtypes)}; turbowire needs one of each (with the hybrid KV cache "
                 "manager on, --disable-hybrid-kv-cache-manager puts every layer in one group)"
             )
+        if any(layer.is_latent for layer in layers) and any(layer.is_draft for layer in layers):
+            raise GeometryError(
+                "speculative decoding with draft KV (MTP / EAGLE) on an MLA model is not served "
+                "yet; serve it without a drafter that keeps KV, or with ngram speculation")
         layers.sort(key=lambda layer: (layer.is_state, layer_sort_key(layer.name)))
         return cls(layers=tuple(layers), block_size=block_sizes.pop(), dtype=dtypes.pop(),
                    frees_out_of_window=frees)
@@ -233,8 +237,7 @@ class KVGeometry:
 LATENT_VECTOR_WIDTHS = (128, 64)  # the codec's vector width for an MLA latent, first that tiles
 
 
-def _served_latent(spec: Any, layer_names: list[str], rope_dim: int,
-                   is_draft: Callable[[str], bool]) -> tuple[int, int]:
+def _served_latent(spec: Any, layer_names: list[str], rope_dim: int) -> tuple[int, int]:
     """An MLA group's latent as (vectors, width) of the codec, or why it is not served."""
     where = f"MLA layers {layer_names[:3]}..."
     if str(spec.dtype).removeprefix("torch.") not in ("bfloat16", "float16") or (
@@ -244,10 +247,6 @@ def _served_latent(spec: Any, layer_names: list[str], rope_dim: int,
     if getattr(spec, "model_version", None) or spec.alignment:
         raise GeometryError(f"{where}: this MLA variant ({spec.model_version or 'padded'}) "
                             "lays out its cache in a way turbowire does not follow")
-    if any(is_draft(name) for name in layer_names):
-        raise GeometryError(f"{where}: speculative decoding with draft KV (MTP / EAGLE) on an "
-                            "MLA model is not served yet; serve it without a drafter that "
-                            "keeps KV, or with ngram speculation")
     latent = int(spec.head_size) - rope_dim
     if rope_dim <= 0 or latent <= 0:
         raise GeometryError(f"{where}: the model config names no RoPE width "

@@ -101,6 +101,15 @@ def test_the_geometry_reads_vllms_mla_spec_and_refuses_what_it_does_not_serve():
     with pytest.raises(GeometryError, match="draft KV"):
         KVGeometry.from_kv_cache_config(kcfg, lambda name: name.endswith("2.self_attn.attn"),
                                         mla_rope_dim=R)
+    # a drafter of another kind (an EAGLE head's plain attention) beside the MLA target too
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    eagle = "model.layers.3.self_attn.attn"
+    kcfg.kv_cache_groups.append(KVCacheGroupSpec([eagle], FullAttentionSpec(
+        block_size=BS, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)))
+    with pytest.raises(GeometryError, match="draft KV"):
+        KVGeometry.from_kv_cache_config(kcfg, lambda name: name == eagle, mla_rope_dim=R)
+    kcfg.kv_cache_groups.pop()
     fp8 = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=656, dtype=torch.uint8,
                            cache_dtype_str="fp8_ds_mla")
     kcfg.kv_cache_groups[0].kv_cache_spec = fp8
