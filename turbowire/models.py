@@ -199,10 +199,16 @@ TINY_ARCHITECTURES: dict[str, str] = {
     "qwen3-next": "Qwen3-Next: gated-delta-net linear attention beside full attention, MoE",
     "granite4": "Granite 4: Mamba-2 layers beside full attention, MoE",
     "deepseek-v2": "DeepSeek-V2: MLA on every layer (a 512 latent + 64 RoPE row), dense MLPs",
+    "deepseek-v3": "DeepSeek-V3 / Kimi-style: MLA with a query LoRA, 3 layers of other widths, "
+                   "MoE (sigmoid routing, noaux_tc) from layer 1",
 }
 
 
 _TINY_VERSIONS = {"qwen3-next": 2}
+# YaRN with factor 1: plain RoPE, for the MLA models (see _tiny_config)
+_YARN_AS_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+                 "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                 "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a transformers config)
@@ -244,15 +250,27 @@ def _tiny_config(arch: str, vocab: int, bos: int, eos: int):  # noqa: ANN202 (a 
             # YaRN with factor 1 is plain RoPE, computed by vLLM's DeepSeek rotary embedding in
             # torch: vLLM CPU's default rotary kernel reads MLA's strided q_pe/k_pe wrongly
             # (outputs then depend on the batch); real DeepSeek checkpoints use YaRN too
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
-                             "original_max_position_embeddings": 4096, "beta_fast": 32,
-                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            rope_parameters=_YARN_AS_ROPE,
             # a layer is MoE from first_k_dense_replace on: none here
             first_k_dense_replace=4, n_routed_experts=4, n_shared_experts=1,
             moe_intermediate_size=128, num_experts_per_tok=2,
             # sharper than the default 0.02: next-token distributions that a lost or corrupted
             # latent changes (the 0.02 model repeats one token from near-flat logits)
             initializer_range=0.1)
+    if arch == "deepseek-v3":
+        from transformers import DeepseekV3Config
+
+        cfg = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
+        v3 = DeepseekV3Config(
+            **{**cfg, "hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 3,
+               "num_attention_heads": 3},
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=48,
+            q_lora_rank=96, rope_parameters=_YARN_AS_ROPE, first_k_dense_replace=1,
+            n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=96,
+            num_experts_per_tok=2, n_group=1, topk_group=1, initializer_range=0.1)
+        # DeepSeek-V3's router (vLLM reads these; the e_score_correction_bias it loads)
+        v3.topk_method, v3.scoring_func = "noaux_tc", "sigmoid"
+        return v3
     if arch == "mistral-swa":
         cfg = MistralConfig(**common, sliding_window=TINY_WINDOW)
         cfg.layer_types = ["sliding_attention"] * 4  # vLLM reads the window per layer from here

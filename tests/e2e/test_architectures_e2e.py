@@ -43,7 +43,7 @@ from turbowire.models import TINY_WINDOW, ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-LAYERS = {"gemma3-w40": 6}  # layers of a tiny model (4 unless here), 2 KV heads x head_dim 64
+LAYERS = {"gemma3-w40": 6, "deepseek-v3": 3}  # layers of a tiny model (4 unless here)
 WINDOW = {"gemma3-w40": 40}  # its sliding window (TINY_WINDOW unless here)
 # inside the window; several windows and a partial block; longer than the engines' 1024-token
 # step, so the prefill engine saves its last blocks after vLLM freed the first ones
@@ -52,8 +52,8 @@ assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
 HYBRIDS = ("qwen3-next", "granite4")  # state layers beside attention: their own test (below)
 # README's rows served on real engines
 ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa", "qwen3-next",
-                 "granite4", "deepseek-v2")
-MLA = ("deepseek-v2",)  # MLA latents: their own test (below)
+                 "granite4", "deepseek-v2", "deepseek-v3")
+MLA = ("deepseek-v2", "deepseek-v3")  # MLA latents: their own test (below)
 SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "gemma3-w40": (0, 1, 3, 4),
            "mistral-swa": (0, 1, 2, 3)}  # the tiny models' sliding layers
 PRESETS = {"gemma3-w40": ("raw",)}  # presets run per architecture (raw and tq4 unless here)
@@ -183,27 +183,30 @@ def engine_block_size(url: str) -> int:
     return int(found.group(1))
 
 
-@pytest.mark.parametrize("preset", ["raw", "tq4"])
-def test_an_mla_model_hands_over_its_latent_rows(preset, engine_slot, tmp_path_factory):
-    """DeepSeek-V2-style MLA on every layer (vLLM CPU: chunked prefill and prefix caching off,
-    its MLA backend's block size): every block of every layer moves as one latent chunk; with
-    ``raw`` the greedy output is the prefill engine's alone."""
-    model = ensure_tiny_model("deepseek-v2")
-    group, stack = start_stack(model, preset, tmp_path_factory.mktemp(f"logs-mla-{preset}"),
-                               64 << 20)
+@pytest.mark.parametrize("arch,preset", [("deepseek-v2", "raw"), ("deepseek-v2", "tq4"),
+                                         ("deepseek-v3", "raw")])
+def test_an_mla_model_hands_over_its_latent_rows(arch, preset, engine_slot, tmp_path_factory):
+    """MLA on every layer (vLLM CPU: chunked prefill and prefix caching off, its MLA backend's
+    block size): every block of every layer moves as one latent chunk; with ``raw`` the greedy
+    output is the prefill engine's alone. DeepSeek-V2-style (4 layers, dense MLPs) and
+    V3-style (a query LoRA, other head widths, MoE)."""
+    model = ensure_tiny_model(arch)
+    layers = LAYERS.get(arch, 4)
+    group, stack = start_stack(model, preset,
+                               tmp_path_factory.mktemp(f"logs-{arch}-{preset}"), 64 << 20)
     try:
         block = engine_block_size(stack.decode.url)
         assert block == engine_block_size(stack.prefill.url)
-        codec = Codec(preset, 128, 4)  # the 512 latent as 4 vectors of 128
+        codec = Codec(preset, 128, layers)  # the 512 latent as 4 vectors of 128
         for i, n in enumerate(PROMPTS):
-            prompt = prompt_ids(9500 + 10 * i, n)
-            out = pd(stack, prompt, max_tokens=8, request_id=f"mla-{preset}-{n}")
+            prompt = prompt_ids(9500 + 10 * i + len(arch), n)
+            out = pd(stack, prompt, max_tokens=8, request_id=f"{arch}-{preset}-{n}")
             load = out["kv_transfer_params"]["turbowire_load"]
             assert load["failed"] is None, load
             assert load["tokens"] == n, load
             assert load["wire_bytes"] == sum(
                 latent_nbytes(codec, layer, min(block, n - start), 512, 64, start)
-                for layer in range(4) for start in range(0, n, block)), load
+                for layer in range(layers) for start in range(0, n, block)), load
             text = out["choices"][0]["text"]
             if preset == "raw":
                 assert text == single(stack, prompt, max_tokens=8)
