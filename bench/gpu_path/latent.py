@@ -9,15 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from bench.gpu_path import fakes
 from bench.gpu_path.check import first_mismatch
-from bench.gpu_path.rig import BLOCK, DEVICE, SMOKE, attach_loader, drain, layer_names, sync
+from bench.gpu_path.rig import (
+    BLOCK,
+    DEVICE,
+    SMOKE,
+    attach_loader,
+    drain,
+    fill_recv,
+    layer_names,
+    sync,
+)
 from turbowire.codec.latent import decode_latent, encode_latent
 from turbowire.connector.metadata import TurboWireConnectorMetadata
-from turbowire.connector.read_plan import chunk_sizes
 
 GUARD = 7.0
 LATENT, ROPE = 512, 64
@@ -79,14 +86,8 @@ def latent_check(preset: str, log: Any) -> dict[str, Any]:
     rperm = torch.randperm(nb, generator=torch.Generator().manual_seed(10)).tolist()
     table = rperm[:n_blocks]
     load = fakes.load_request("dm", save, table, preset)
-    sizes = chunk_sizes(load.blocks, layers, d.chunk_nbytes)
-    flat = sizes.reshape(-1)
-    offs = (np.cumsum(flat) - flat).reshape(sizes.shape)
-    for layer in range(layers):  # the READs' bytes, where the loader lands them
-        for bi, b in enumerate(load.blocks):
-            n = int(sizes[layer, bi])
-            at = p.layout.chunk_offset(b.slot, layer)
-            d.recv[int(offs[layer, bi]):int(offs[layer, bi]) + n] = p.staging[at:at + n]
+    landed = fill_recv(d, p, save)  # the READs' bytes, where the loader lands them
+    offs, sizes = landed.offsets, landed.sizes
     d.start_load_kv(TurboWireConnectorMetadata(loads=[load]))
     fin, failed = drain(d)
     sync()
