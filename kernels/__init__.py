@@ -38,6 +38,9 @@ holds the Triton encoder's Lloyd-Max lookup table. ``kernels/state.py`` (``State
 block raw in its checksummed chunk (``turbowire.codec.state``); ``kernels/latent.py``
 (``LatentPages``) an MLA layer's ``[num_blocks, block_size, kv_lora_rank + rope]`` cache, coded
 as latent chunks (``turbowire.codec.latent``) by the reference on any device.
+``kernels/heads.py`` decodes a window of a chunk's heads into other heads of a cache
+(``DecodeItem.heads``, a ``HeadWindow``: prefill and decode at different TP sizes), through the
+reference on any device.
 
 Module graph: ``items`` and ``paged`` are leaves; ``dispatch`` imports the implementations, which
 never import ``dispatch`` (tests/unit/test_kernels_imports.py checks it).
@@ -53,7 +56,7 @@ from turbowire.kernels.dispatch import (
     encode_layers_into,
 )
 from turbowire.kernels.fp8_cache import FP8_CACHE_DTYPES, KVScales, is_fp8_cache, resolve_scales
-from turbowire.kernels.items import DecodeItem, EncodeItem
+from turbowire.kernels.items import DecodeItem, EncodeItem, HeadWindow
 from turbowire.kernels.latent import LatentPages
 from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.state import StatePages, decode_state_into, encode_state_into
@@ -76,6 +79,7 @@ __all__ = [
     "DecodeLayersPlan",
     "EncodeItem",
     "EncodeLayersPlan",
+    "HeadWindow",
     "KVScales",
     "KernelConfig",
     "LatentPages",

@@ -13,7 +13,8 @@ Implementations, chosen per call by ``impl`` ("auto" unless a test or benchmark 
   applies (``impl="cpu"`` requires it).
 * the reference codec (``turbowire.codec``) with vectorised torch gather/scatter elsewhere
   (``impl="reference"``), and for an MLA layer's cache (a ``LatentPages`` layout: latent
-  chunks, ``kernels/latent.py``) on any device.
+  chunks, ``kernels/latent.py``) on any device, and for items with a head window
+  (``DecodeItem.heads``: another TP size's chunks, ``kernels/heads.py``).
 
 All of them write the same bytes and raise the same exceptions. The items and their range check
 live in ``kernels/items.py``; the implementations import them from there, never from here.
@@ -30,6 +31,7 @@ import torch
 from turbowire.codec import Codec
 from turbowire.kernels import cpu_binding, fp8_cache, triton_launch
 from turbowire.kernels.fp8_cache import KVScales
+from turbowire.kernels.heads import decode_heads_into
 from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
 from turbowire.kernels.latent import LatentPages, decode_latent_into, encode_latent_into
 from turbowire.kernels.paged import PagedKVLayout
@@ -125,9 +127,14 @@ def decode_into(
     program that decodes it, so the valid items of a call with a refused one are written.
     fp8 caches need the layer's ``kv_scales`` (see ``encode_into``)."""
     if isinstance(layout, LatentPages):
+        if any(item.heads is not None for item in items):
+            raise ValueError("an MLA latent is the same on every TP rank: no head window")
         decode_latent_into(codec, layer, kv_cache, layout, items, source)
         return
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
+    if any(item.heads is not None for item in items):  # another TP size's chunks
+        decode_heads_into(codec, layer, kv_cache, layout, items, source, scales)
+        return
     if _use_triton(impl, codec, kv_cache):
         triton_launch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
                                     kv_scales=scales)
@@ -162,9 +169,12 @@ def _per_job_scales(n_jobs: int, kv_scales: Sequence[Any] | None) -> list[Any]:
     return scales
 
 
-def _any_latent(jobs: Sequence[Any]) -> bool:
-    """MLA layers take the per-layer latent path (no batched Triton launch serves them)."""
-    return any(isinstance(job[2], LatentPages) for job in jobs)
+def _per_layer_only(jobs: Sequence[Any]) -> bool:
+    """MLA layers take the per-layer latent path (no batched Triton launch serves them), and so
+    do head windows (``decode_heads_into``)."""
+    return any(isinstance(job[2], LatentPages)
+               or any(getattr(item, "heads", None) is not None for item in job[3])
+               for job in jobs)
 
 
 def encode_layers_into(
@@ -189,7 +199,7 @@ def encode_layers_into(
     scales = _per_job_scales(len(jobs), kv_scales)
     if not jobs:
         return []
-    if _use_triton(impl, codec, jobs[0][1]) and not _any_latent(jobs):
+    if _use_triton(impl, codec, jobs[0][1]) and not _per_layer_only(jobs):
         resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
                     in zip(jobs, scales)]
         return triton_launch.encode_layers_into(codec, jobs, staging, kernel_config,
@@ -223,7 +233,7 @@ def decode_layers_into(
     scales = _per_job_scales(len(jobs), kv_scales)
     if not jobs:
         return
-    if _use_triton(impl, codec, jobs[0][1]) and not _any_latent(jobs):
+    if _use_triton(impl, codec, jobs[0][1]) and not _per_layer_only(jobs):
         resolved = [fp8_cache.resolve_scales(cache, sc) for (_l, cache, _lay, _i), sc
                     in zip(jobs, scales)]
         triton_launch.decode_layers_into(codec, jobs, source, kernel_config,

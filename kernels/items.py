@@ -28,8 +28,26 @@ class EncodeItem:
 
 
 @dataclass(frozen=True)
+class HeadWindow:
+    """Of a chunk holding ``src_heads`` KV heads, keep ``[src_start, src_start + count)`` and
+    write them at the cache's head ``dst_start`` (a decode rank of another TP size than the
+    prefill rank that staged the chunk: ``connector/tp_plan.py``)."""
+
+    src_heads: int
+    src_start: int
+    count: int
+    dst_start: int
+
+    def __post_init__(self) -> None:
+        if not (self.src_heads > 0 and self.count > 0 and self.src_start >= 0
+                and self.dst_start >= 0 and self.src_start + self.count <= self.src_heads):
+            raise ValueError(f"bad head window {self}")
+
+
+@dataclass(frozen=True)
 class DecodeItem:
-    """Decode the chunk at source[in_offset : in_offset + nbytes] into those tokens' slots."""
+    """Decode the chunk at source[in_offset : in_offset + nbytes] into those tokens' slots
+    (``heads``: only a window of the chunk's heads, at an offset of the cache's)."""
 
     block_ids: Sequence[int] | torch.Tensor
     token_start: int
@@ -37,6 +55,7 @@ class DecodeItem:
     in_offset: int
     nbytes: int
     expected_tag: int | None = None
+    heads: HeadWindow | None = None
 
 
 def check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None:
