@@ -26,11 +26,13 @@ def make_codec(preset: str, geometry: KVGeometry) -> Any:
 
 
 def chunk_nbytes(codec: Any, geometry: KVGeometry, layer: int, num_tokens: int,
-                 block_index: int) -> int:
+                 block_index: int, heads: int | None = None) -> int:
     """Exact bytes of the chunk of request block ``block_index`` of ``layer``: the codec's
     size for an attention layer (the first block of a sequence carries extra rows; an MLA
     layer's latent chunk), the state
-    chunk's for a Mamba / linear-attention layer (one per request, whatever its tokens)."""
+    chunk's for a Mamba / linear-attention layer (one per request, whatever its tokens).
+    ``heads``: a K/V layer's heads in the chunk when not this rank's (a prefill rank of
+    another TP size)."""
     spec = geometry.layers[layer]
     if spec.is_state:
         from turbowire.codec.state import state_chunk_nbytes
@@ -41,7 +43,7 @@ def chunk_nbytes(codec: Any, geometry: KVGeometry, layer: int, num_tokens: int,
 
         return latent_nbytes(codec, layer, num_tokens, spec.latent_dim, spec.rope_dim,
                              block_index * geometry.block_size)
-    return int(codec.encoded_nbytes(layer, num_tokens, spec.num_kv_heads,
+    return int(codec.encoded_nbytes(layer, num_tokens, heads or spec.num_kv_heads,
                                     block_index * geometry.block_size))
 
 

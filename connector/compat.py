@@ -65,14 +65,35 @@ class CompatibilityRecord:
     #: the served weights' fingerprint (turbowire.store.fingerprint): one served name over other
     #: weights (a rolling update, a fine-tune under the base's name) must not exchange KV
     weights: str = ""
+    #: the model's KV heads per layer over all TP ranks (``tp_plan.model_kv_heads``; 0: a layer
+    #: no other TP size reads); engines of different TP sizes compare these instead of
+    #: ``kv_heads``. Empty from older engines: equal TP only.
+    model_kv_heads: tuple[int, ...] = ()
+    #: an MLA model's raw RoPE width per cache row (0: no latent layers); 0 from older engines,
+    #: which refused MLA models
+    rope_dim: int = 0
 
     def mismatch(
         self, other: CompatibilityRecord, sides: tuple[str, str] = ("this engine", "peer")
     ) -> IncompatiblePeerError | None:
         """The first differing field as an error, or None when compatible (the speculative
-        config first: a drafter on one side also changes the layer counts)."""
+        config first: a drafter on one side also changes the layer counts). Engines of other
+        TP sizes compare the model's heads, not one rank's (``tp_plan.tp_refusal``)."""
+        from turbowire.connector.tp_plan import tp_refusal
+
         names = sorted((f.name for f in fields(self)), key=lambda n: n != "speculative_config")
+        skip = {"model_kv_heads"} if not (self.model_kv_heads and other.model_kv_heads) else set()
+        if self.tp_size != other.tp_size:
+            why = tp_refusal(self, other)
+            if why is not None:
+                return IncompatiblePeerError(
+                    "tp_size", self.tp_size, other.tp_size, sides=sides,
+                    message=f"incompatible peer: tp_size differs ({sides[0]} {self.tp_size}, "
+                    f"{sides[1]} {other.tp_size}) and {why}")
+            skip |= {"tp_size", "kv_heads"}
         for name in names:
+            if name in skip:
+                continue
             ours, theirs = getattr(self, name), getattr(other, name)
             if ours != theirs:
                 if name == "speculative_config":
@@ -90,16 +111,18 @@ class CompatibilityRecord:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["kv_heads"] = list(self.kv_heads)
+        data["model_kv_heads"] = list(self.model_kv_heads)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CompatibilityRecord:
         names = {f.name for f in fields(cls)}
-        missing = names - set(data) - {"weights"}  # records of older engines lack it
+        missing = names - set(data) - {"weights", "model_kv_heads", "rope_dim"}  # older engines
         if missing:
             raise ValueError(f"compatibility record misses fields {sorted(missing)}")
         values = {k: data[k] for k in names if k in data}
         values["kv_heads"] = tuple(int(h) for h in values["kv_heads"])
+        values["model_kv_heads"] = tuple(int(h) for h in values.get("model_kv_heads", ()))
         return cls(**values)
 
     @classmethod
@@ -113,6 +136,7 @@ class CompatibilityRecord:
         tp_size: int,
         speculative_config: dict[str, Any] | None,
         weights: str = "",
+        model_kv_heads: tuple[int, ...] = (),
     ) -> CompatibilityRecord:
         return cls(
             model=model,
@@ -130,6 +154,8 @@ class CompatibilityRecord:
                 json.dumps(speculative_config, sort_keys=True) if speculative_config else ""
             ),
             weights=weights,
+            model_kv_heads=tuple(model_kv_heads),
+            rope_dim=max((layer.rope_dim for layer in geometry.layers), default=0),
         )
 
 

@@ -44,7 +44,7 @@ __all__ = [
     "DEFAULT_STAGING_BYTES", "DEFAULT_STORE_CHUNK_TOKENS", "DEFAULT_STORE_LOCAL_CPU_BYTES",
     "DEFAULT_STORE_TTL_SECONDS", "Derive", "KNOWN_KEYS", "LOAD_FAILURE_POLICIES",
     "MAX_DECODE_PIPELINE_GROUPS", "MAX_LEASE_SECONDS", "MAX_LEASE_TOKEN_CHARS",
-    "MAX_MAX_PEERS", "MIN_AUTH_TOKEN_CHARS", "MIN_BUFFER_BYTES", "MIN_LEASE_SECONDS",
+    "MAX_MAX_PEERS", "MAX_TP_SIZE", "MIN_AUTH_TOKEN_CHARS", "MIN_BUFFER_BYTES", "MIN_LEASE_SECONDS",
     "REDIS_URL", "SAVE_SCHEDULES", "STORE_NAME_RE", "STORE_URL_SCHEMES", "TRANSPORTS",
     "default_advertise_host", "read_auth_token_file",
 ]
@@ -66,6 +66,9 @@ MAX_LEASE_SECONDS = 86400.0
 DEFAULT_LEASE_SECONDS = 30.0
 #: A lease token (``secrets`` hex) as the params and the side channel accept it.
 MAX_LEASE_TOKEN_CHARS = 128
+#: An engine's TP size as the params and the side channel accept it (a decode rank plans a load
+#: over the prefill engine's ranks)
+MAX_TP_SIZE = 1024
 #: A lease's first claim or heartbeat: the decode engine's first heartbeat goes out well within
 #: the minimum (receiver_heartbeats.FIRST_HEARTBEAT_S)
 MIN_CLAIM_TIMEOUT_SECONDS = 2.0

@@ -26,6 +26,7 @@ decode of a layer group into the paged cache), so a fake transport can unit-test
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -42,6 +43,7 @@ from turbowire.connector.loader_failures import LoadFailures, Quarantined
 from turbowire.connector.loader_peers import (  # noqa: F401 - the loader's errors, re-exported
     LeaseRefusedError,
     LoadFailed,
+    PeerKey,
     PeerLinks,
     PeerState,
     PromptMismatchError,
@@ -57,9 +59,10 @@ from turbowire.connector.read_plan import (
 )
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import P2P_LABEL, TurboWireConnectorStats
+from turbowire.connector.tp_plan import HeadSource, load_plan
 from turbowire.connector.transports.base import Transfer, Transport
 from turbowire.errors import failure_reason
-from turbowire.kernels import NO_BLOCK
+from turbowire.kernels import NO_BLOCK, HeadWindow
 
 if TYPE_CHECKING:
     from turbowire.connector.compat import CompatibilityRecord
@@ -69,7 +72,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadJob:
+    """One load's READs from one prefill rank (``source``): a load reads several when the
+    prefill engine runs at a smaller TP size (``tp_plan``); it finishes once all have."""
+
     load: LoadRequest
+    source: HeadSource
     created: float = field(default_factory=time.monotonic)
     recv_offset: int | None = None
     recv_nbytes: int = 0
@@ -89,11 +96,33 @@ class LoadJob:
     claimed: bool = False
     tokens: int = 0  # of all blocks, counted when the READs are posted
 
+    @property
+    def prefill_rank(self) -> int:
+        return self.source.prefill_rank
 
-DecodeGroup = Callable[[LoadRequest, range, int, ChunkOffsets], PendingDecode]
-"""decode(load, layers, recv_offset, chunks): verify and decode the chunks of ``layers``
-(landed at ``recv_offset + chunks[(block, layer)]``) into the paged cache; the handle says when
-that ran (``CacheCoder.decode``). The load is finished once every handle ran, none refused."""
+    @property
+    def src_heads(self) -> int | None:
+        """KV heads in each of the prefill rank's chunks (None: this rank's)."""
+        return self.source.src_heads or None
+
+    @property
+    def peer_key(self) -> PeerKey:
+        return (*self.load.peer.key, self.source.prefill_rank)
+
+    @property
+    def window(self) -> HeadWindow | None:
+        """The chunk heads this rank keeps, and where (None: all of them, in place)."""
+        src = self.source
+        if src.whole:
+            return None
+        return HeadWindow(src.src_heads, src.src_start, src.count, src.dst_start)
+
+
+DecodeGroup = Callable[..., PendingDecode]
+"""decode(load, layers, recv_offset, chunks, heads=None): verify and decode the chunks of
+``layers`` (landed at ``recv_offset + chunks[(block, layer)]``) into the paged cache, only the
+``heads`` window of each when one is given; the handle says when that ran
+(``CacheCoder.decode``). The load is finished once every handle ran, none refused."""
 
 PrepareDecode = Callable[[LoadRequest, int, ChunkOffsets], None]
 """prepare(load, recv_offset, chunks): called once a load's first READs are posted, so the
@@ -112,6 +141,7 @@ class LocalEnd:
     recv_device: int
     num_local_blocks: int
     dense_bytes_per_token: int
+    tp_size: int = 1
 
 
 class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
@@ -122,7 +152,7 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         config: TurboWireConfig,
         geometry: KVGeometry,
         layout: StagingLayout,
-        chunk_nbytes: Callable[[int, int, int], int],
+        chunk_nbytes: Callable[..., int],
         local: LocalEnd,
         transport: Transport,
         clients: Any,
@@ -138,6 +168,7 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         self._chunk_nbytes = chunk_nbytes
         self.engine_id = local.engine_id
         self.tp_rank = local.tp_rank
+        self.tp_size = local.tp_size
         self.record = local.record
         self.mem_type = local.mem_type
         self._recv_base = local.recv_base
@@ -151,10 +182,14 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         self.prepare = prepare
         self._executor = executor
         self.stats = stats
-        self._peers: OrderedDict[tuple[str, str, int], PeerState] = OrderedDict()
+        self._peers: OrderedDict[PeerKey, PeerState] = OrderedDict()
         self.max_peers = config.max_peers
-        self._handshakes: dict[tuple[str, str, int], tuple[Future, float]] = {}
+        self._handshakes: dict[PeerKey, tuple[Future, float]] = {}
         self._jobs: list[LoadJob] = []
+        # loads read from several prefill ranks: the reports of their finished parts, and how
+        # many parts are left (request id -> ...)
+        self._parts_done: dict[str, list[LoadReport]] = {}
+        self._parts_left: dict[str, int] = {}
         self._finished: set[str] = set()
         # loads completed in the last results(): lease release and metrics still to do
         self._completed: list[tuple[LoadRequest, LoadReport]] = []
@@ -185,8 +220,23 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
             elif load.release_only:
                 self._release_async(load)
             else:
-                self._jobs.append(LoadJob(load))
+                self._queue(load)
         self._progress()
+
+    def _queue(self, load: LoadRequest) -> None:
+        """One job per prefill rank the load reads (one at equal TP sizes)."""
+        try:
+            sources = [HeadSource.same_rank(self.tp_rank)] if load.peer.tp_size == self.tp_size \
+                else load_plan(self.record, load.peer.tp_size, self.tp_rank,
+                               replicated=self.geometry.has_latent)
+        except Exception as exc:  # noqa: BLE001 - the scheduler checked; never a stuck request
+            self._fail_unplanned(dataclasses.replace(load, fail_reason="incompatible"))
+            logger.error("KV load of request %s: no TP plan (%s)", load.request_id, exc)
+            return
+        if len(sources) > 1:
+            self._parts_left[load.request_id] = len(sources)
+            self._parts_done[load.request_id] = []
+        self._jobs.extend(LoadJob(load, source) for source in sources)
 
     def _fail_unplanned(self, load: LoadRequest) -> None:
         """A load the scheduler announced to vLLM but could not plan (counted there): reported
@@ -215,7 +265,11 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
             return
         now = time.monotonic()
         still: list[LoadJob] = []
+        failed: set[str] = set()  # loads failed in this pass: their other parts go too
         for job in self._jobs:
+            if job.load.request_id in failed:
+                self._drop_job(job)
+                continue
             try:
                 with probe.mark("loader.advance"):
                     finished = self._advance(job, now)
@@ -224,12 +278,22 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
                     continue  # finished
             except LoadFailed as exc:
                 self._fail(job, exc.reason, str(exc))
+                failed.add(job.load.request_id)
                 continue
             except Exception as exc:  # noqa: BLE001 - every failure must reach failed_recving
                 reason = failure_reason(exc)
                 self._fail(job, reason, f"{type(exc).__name__}: {exc}")
+                failed.add(job.load.request_id)
                 continue
             still.append(job)
+        if failed:
+            for job in still:
+                if job.load.request_id in failed:
+                    self._drop_job(job)
+            still = [job for job in still if job.load.request_id not in failed]
+            for rid in failed:
+                self._parts_left.pop(rid, None)
+                self._parts_done.pop(rid, None)
         self._jobs = still
 
     def _advance(self, job: LoadJob, now: float) -> bool:
@@ -298,7 +362,9 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
                 raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
         n_layers = self.geometry.num_layers
         groups = layer_groups(n_layers, self.config.decode_pipeline_groups)
-        sizes = chunk_sizes(load.blocks, n_layers, self._chunk_nbytes)
+        heads = job.src_heads
+
+        sizes = chunk_sizes(load.blocks, n_layers, self._sizer(heads))
         if load.group_tables:  # several KV cache groups: a group's freed blocks do not move
             if len(load.group_tables) != self.geometry.num_groups:
                 raise LoadFailed("bounds", f"{len(load.group_tables)} block tables for "
@@ -330,9 +396,16 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         job.wait_seconds = time.monotonic() - job.created
         with probe.mark("loader.post_reads"):
             self._post_more(job)
-        if self.prepare is not None:  # the coder's decode made ready while the bytes move
+        if self.prepare is not None and job.window is None:  # made ready while bytes move
             self.prepare(load, start, offsets)
         return True
+
+    def _sizer(self, heads: int | None) -> Callable[[int, int, int], int]:
+        """Exact chunk bytes of a prefill rank whose chunks hold ``heads`` (None: this rank's)."""
+        if heads is None:
+            return self._chunk_nbytes
+        return lambda layer, tokens, block_index: self._chunk_nbytes(layer, tokens, block_index,
+                                                                     heads)
 
     def _decode_group(self, job: LoadJob, layers: range) -> float:
         """Hand one run of landed layer groups to the decode (its handle: ``job.pending``); the
@@ -341,7 +414,10 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         t0 = time.perf_counter()
         assert job.chunk_offsets is not None
         with probe.mark("loader.decode"):
-            job.pending.append(self.decode(job.load, layers, job.recv_offset, job.chunk_offsets))
+            window = job.window
+            extra = {"heads": window} if window is not None else {}
+            job.pending.append(self.decode(job.load, layers, job.recv_offset, job.chunk_offsets,
+                                           **extra))
         return time.perf_counter() - t0
 
     def _complete(self, job: LoadJob, transfer_seconds: float, decode_seconds: float) -> None:
@@ -361,6 +437,14 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
             handshake_seconds=job.handshake_seconds,
             wait_seconds=job.wait_seconds,
         )
+        left = self._parts_left.get(load.request_id)
+        if left is not None:  # one of several prefill ranks read: the load waits for the rest
+            self._parts_done[load.request_id].append(report)
+            if left > 1:
+                self._parts_left[load.request_id] = left - 1
+                return
+            del self._parts_left[load.request_id]
+            report = combine_parts(self._parts_done.pop(load.request_id))
         self._completed.append((load, report))
         self._finished.add(load.request_id)
         self._reports[load.request_id] = report
@@ -391,3 +475,18 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         self._settle_completed()
         self._spent = []
         self._handshakes.clear()
+
+
+def combine_parts(parts: list[LoadReport]) -> LoadReport:
+    """One load read from several prefill ranks: each part wrote every token (its heads), so
+    the tokens and dense bytes are one part's; the wire bytes and decode times add up, the
+    transfer and waits take the slowest part."""
+    first = parts[0]
+    return dataclasses.replace(
+        first,
+        wire_bytes=sum(p.wire_bytes for p in parts),
+        transfer_seconds=max(p.transfer_seconds for p in parts),
+        decode_seconds=sum(p.decode_seconds for p in parts),
+        handshake_seconds=max(p.handshake_seconds for p in parts),
+        wait_seconds=max(p.wait_seconds for p in parts),
+    )

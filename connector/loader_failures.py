@@ -78,6 +78,18 @@ class LoadFailures:
             load.request_id, load.peer.engine_id, reason, message,
         )
         self.stats.record_failure(reason)
+        self._drop_job(job)
+        if reason in PEER_FAILURES:
+            self._forget_peer(load.peer)
+        self._release_async(load, count_failure=False)  # its failure is counted above
+        self._failed.add(load.request_id)
+        self._reports[load.request_id] = LoadReport(failed=reason)
+
+    def _drop_job(self, job: LoadJob) -> None:
+        """What a failed job leaves behind: its decodes abandoned, its landed READs released,
+        its receive range given back or quarantined (also a load's other parts when one part
+        failed: the load is counted and reported once, by ``_fail``)."""
+        load = job.load
         for pending in job.pending:  # GPU decodes still reading the receive range
             try:
                 pending.abandon()
@@ -102,17 +114,12 @@ class LoadFailures:
             job.recv_offset = None
         else:
             self._free_recv(job)
-        if reason in PEER_FAILURES:
-            self._forget_peer(load.peer)
         ended = [g for g, x in enumerate(job.xfers)
                  if not job.decoded[g] and x.state() is not TransferState.PENDING]
         for x in _distinct(job.xfers[g] for g in ended):
             x.release()
         for g in ended:
             job.decoded[g] = True
-        self._release_async(load, count_failure=False)  # its failure is counted above
-        self._failed.add(load.request_id)
-        self._reports[load.request_id] = LoadReport(failed=reason)
 
     def _reclaim(self) -> None:
         """Give back quarantined ranges whose READs have all ended; remove the NIXL agents of

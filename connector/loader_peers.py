@@ -66,6 +66,10 @@ class LeaseRefusedError(LoadFailed):
         super().__init__(type(self).reason, message)
 
 
+PeerKey = tuple[str, str, int, int]
+"""(engine id, host, port, prefill rank): one handshake per prefill rank a load reads."""
+
+
 @dataclass
 class PeerState:
     info: PeerInfo
@@ -88,9 +92,14 @@ class PeerLinks:
     _transport: Transport
     _clients: Any
     _executor: Executor
-    _peers: OrderedDict[tuple[str, str, int], PeerState]
-    _handshakes: dict[tuple[str, str, int], tuple[Future, float]]
+    _peers: OrderedDict[PeerKey, PeerState]
+    _handshakes: dict[PeerKey, tuple[Future, float]]
     _stale_agents: set[str]
+
+    tp_size: int
+
+    if TYPE_CHECKING:  # the loader's: exact chunk bytes of a prefill rank's chunks
+        def _sizer(self, heads: int | None) -> Callable[[int, int, int], int]: ...
 
     def _submit(self, peer: PeerAddress, fn: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Future:
@@ -101,40 +110,43 @@ class PeerLinks:
         return self._executor.submit(fn, *args, **kwargs)
 
     def _peer_for(self, job: LoadJob) -> PeerState | None:
+        """The handshake with the prefill rank ``job`` reads (its agent and staging), started
+        on the peer's lane and taken once answered; None while it is on the way."""
         peer = job.load.peer
-        state = self._peers.get(peer.key)
+        key = job.peer_key
+        state = self._peers.get(key)
         if state is not None:
-            self._peers.move_to_end(peer.key)
+            self._peers.move_to_end(key)
             return state
-        pending = self._handshakes.get(peer.key)
+        pending = self._handshakes.get(key)
         if pending is None:
-            future = self._submit(peer, self._handshake_rpc, peer)
-            self._handshakes[peer.key] = (future, time.perf_counter())
+            future = self._submit(peer, self._handshake_rpc, peer, job.prefill_rank)
+            self._handshakes[key] = (future, time.perf_counter())
             return None
         future, started = pending
         if not future.done():
             return None
-        del self._handshakes[peer.key]
+        del self._handshakes[key]
         try:
             info = future.result()  # raises the handshake's error for this job (retried next job)
         except PeerTimeoutError as exc:
             if not self._may_retry(job, exc, "handshake"):
                 raise
             return None  # the next call sends a new one
-        self._check_peer_geometry(info, peer)
+        self._check_peer_geometry(info, peer, job.src_heads)
         agent = self._transport.add_peer(info.staging.agent_metadata)  # main thread only
         self._stale_agents.discard(agent)  # the same agent answered again: still in use
         elapsed = time.perf_counter() - started
         state = PeerState(info, agent, elapsed)
-        self._peers[peer.key] = state
+        self._peers[key] = state
         self._evict_peers()
         self.stats.observe(
             "handshake_seconds", elapsed, transport=P2P_LABEL, preset=self.config.preset
         )
         job.handshake_seconds = elapsed
         logger.info(
-            "handshake with prefill engine %s at %s:%d done in %.1f ms",
-            peer.engine_id, peer.host, peer.port, elapsed * 1e3,
+            "handshake with prefill engine %s at %s:%d (rank %d) done in %.1f ms",
+            peer.engine_id, peer.host, peer.port, job.prefill_rank, elapsed * 1e3,
         )
         return state
 
@@ -144,8 +156,8 @@ class PeerLinks:
         while len(self._peers) > self.max_peers:
             key, old = self._peers.popitem(last=False)
             self._stale_agents.add(old.agent)
-            logger.info("dropping the handshake with prefill engine %s at %s:%d (max_peers)",
-                        *key)
+            logger.info("dropping the handshake with prefill engine %s at %s:%d rank %d "
+                        "(max_peers)", *key)
 
     def _claimed(self, job: LoadJob) -> bool:
         """Extend the prefill lease (one heartbeat round trip, sent when the READs are posted):
@@ -163,7 +175,7 @@ class PeerLinks:
                      if load.prompt_digest else {})
             job.claim = self._submit(
                 load.peer, client.heartbeat, [load.remote_request_id], self.engine_id,
-                lease_tokens=[load.lease_token], **claim,
+                lease_tokens=[load.lease_token], tp_size=self.tp_size, **claim,
             )
             return False
         if not job.claim.done():
@@ -216,12 +228,14 @@ class PeerLinks:
         )
         return True
 
-    def _handshake_rpc(self, peer: PeerAddress) -> PeerInfo:
-        """Network part of the handshake (thread pool; no NIXL calls here)."""
+    def _handshake_rpc(self, peer: PeerAddress, prefill_rank: int) -> PeerInfo:
+        """Network part of the handshake with one prefill rank (thread pool; no NIXL calls
+        here)."""
         client = self._clients.get(peer.host, peer.port)
-        return client.handshake(self.record, self.engine_id, self.tp_rank)
+        return client.handshake(self.record, self.engine_id, prefill_rank)
 
-    def _check_peer_geometry(self, info: PeerInfo, peer: PeerAddress) -> None:
+    def _check_peer_geometry(self, info: PeerInfo, peer: PeerAddress,
+                             src_heads: int | None) -> None:
         from turbowire.connector.compat import IncompatiblePeerError
 
         if info.engine_id != peer.engine_id:
@@ -238,7 +252,8 @@ class PeerLinks:
         if len(staging.layer_offsets) != self.geometry.num_layers:
             raise LoadFailed("incompatible", "peer staging has a different layer count")
         for layer, off in enumerate(staging.layer_offsets):
-            if off + self.layout.full_chunk_bytes[layer] > staging.slot_bytes:
+            full = self._sizer(src_heads)(layer, self.geometry.block_size, 0)
+            if off + full > staging.slot_bytes:
                 raise LoadFailed("bounds", f"peer slot too small for layer {layer}")
 
     def _forget_peer(self, peer: PeerAddress) -> None:
@@ -246,12 +261,11 @@ class PeerLinks:
         handshakes again. A prefill engine restarted at the same address under the same
         ``engine_id`` has a new NIXL agent and staging pool: reusing the cached ones failed every
         later load with that engine (``transport``) until this engine restarted too."""
-        state = self._peers.pop(peer.key, None)
-        if state is not None:
-            self._stale_agents.add(state.agent)
+        for key in [k for k in self._peers if k[:3] == peer.key]:  # every rank of it
+            self._stale_agents.add(self._peers.pop(key).agent)
             logger.info(
-                "forgetting the handshake with prefill engine %s at %s:%d after a failed load",
-                peer.engine_id, peer.host, peer.port,
+                "forgetting the handshake with prefill engine %s at %s:%d rank %d after a "
+                "failed load", *key,
             )
 
     def _release_async(self, load: LoadRequest, count_failure: bool = True) -> None:
@@ -267,7 +281,7 @@ class PeerLinks:
             try:
                 reply = self._clients.get(load.peer.host, load.peer.port).release(
                     [load.remote_request_id], self.engine_id, self.tp_rank,
-                    lease_tokens=[load.lease_token],
+                    lease_tokens=[load.lease_token], tp_size=self.tp_size,
                 )
                 if reply.refused:
                     logger.warning(

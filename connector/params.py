@@ -43,6 +43,7 @@ from turbowire.connector.config import (
     DEFAULT_LEASE_SECONDS,
     MAX_LEASE_SECONDS,
     MAX_LEASE_TOKEN_CHARS,
+    MAX_TP_SIZE,
 )
 from turbowire.connector.geometry import blocks_for_tokens
 from turbowire.connector.peers import is_valid_host
@@ -197,8 +198,10 @@ class RemotePrefill:
                 f"remote_num_tokens={num_tokens} needs {expected} with block_size {block_size}"
             )
         tp_size = params.get("tp_size", 1)
-        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-            raise TransferParamsError("kv_transfer_params.tp_size must be a positive integer")
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or \
+                not 1 <= tp_size <= MAX_TP_SIZE:
+            raise TransferParamsError(
+                f"kv_transfer_params.tp_size must be an integer in 1..{MAX_TP_SIZE}")
         preset = _get(params, "turbowire_preset", str)
         version = _get(params, "turbowire_format_version", int)
         prompt_hash = _optional_text(params, "turbowire_prompt_hash")

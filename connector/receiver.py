@@ -36,6 +36,7 @@ from turbowire.connector.peers import PeerAllowlist
 from turbowire.connector.receiver_heartbeats import Heartbeats, HeartbeatTarget
 from turbowire.connector.speculative import remote_prefill_tokens
 from turbowire.connector.staging import PromptClaim
+from turbowire.connector.tp_plan import peer_refusal
 from turbowire.kernels import NO_BLOCK
 
 if TYPE_CHECKING:
@@ -279,8 +280,10 @@ class Receiver(Heartbeats):
                 f"prefill preset {remote.preset!r} differs from this engine's "
                 f"{self.config.preset!r}",
             )
-        if remote.tp_size != self.tp_size:
-            return "incompatible", f"prefill tp_size {remote.tp_size} != {self.tp_size}"
+        why = peer_refusal(self.record, remote.tp_size)
+        if why is not None:
+            return "incompatible", (f"prefill tp_size {remote.tp_size}, this engine's "
+                                    f"{self.tp_size}: {why}")
         if remote.prompt_hash is not None and request.prompt_token_ids is not None:
             n = min(remote.num_tokens, request.num_prompt_tokens)
             if prompt_digest(request.prompt_token_ids, n) != remote.prompt_hash:

@@ -52,6 +52,7 @@ class Heartbeats:
 
     config: TurboWireConfig
     engine_id: str
+    tp_size: int  # this engine's: the prefill engine frees a lease after that many releases
     stats: TurboWireConnectorStats
     heartbeats: dict[str, HeartbeatTarget]
     clients: Any  # ClientPool, made on the first heartbeat
@@ -127,7 +128,7 @@ class Heartbeats:
                     reply = self.clients.get(host, port).heartbeat(
                         [t.remote_request_id for t in batch], self.engine_id,
                         lease_tokens=[t.lease_token for t in batch],
-                        prompts=[t.prompt for t in batch],
+                        prompts=[t.prompt for t in batch], tp_size=self.tp_size,
                     )
                 except Exception as exc:  # noqa: BLE001 - logged and counted, retried next period
                     logger.warning("heartbeat to %s:%d failed: %s", host, port, exc)

@@ -366,17 +366,18 @@ class GaugedLeases:
         self._sender = sender
 
     def release(
-        self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str]
+        self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str],
+        consumers: int = 0,
     ) -> LeaseAnswer:
-        result = self._sender.pool.release(request_ids, consumer, tokens)
+        result = self._sender.pool.release(request_ids, consumer, tokens, consumers)
         self._sender.publish_gauges()
         return result
 
     def heartbeat(
         self, request_ids: Sequence[str], tokens: Sequence[str],
-        prompts: Sequence[PromptClaim] | None = None,
+        prompts: Sequence[PromptClaim] | None = None, consumers: int = 0,
     ) -> LeaseAnswer:
-        return self._sender.pool.heartbeat(request_ids, tokens, prompts)
+        return self._sender.pool.heartbeat(request_ids, tokens, prompts, consumers)
 
     def snapshot(self) -> Any:
         return self._sender.pool.snapshot()

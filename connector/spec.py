@@ -22,6 +22,7 @@ from turbowire.connector.compat import (
 from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout, layer_sort_key
 from turbowire.connector.speculative import SpeculativeSetup
+from turbowire.connector.tp_plan import model_kv_heads
 from turbowire.store.fingerprint import vllm_config_fingerprint
 from turbowire.store.keys import StoreScope, model_slug
 
@@ -69,6 +70,7 @@ class EngineSetup:
             tp_size=tp_size,
             speculative_config=speculative_factors(vllm_config),
             weights=weights,
+            model_kv_heads=model_kv_heads(geometry, tp_size, total_kv_heads(vllm_config)),
         )
         ktc = vllm_config.kv_transfer_config
         store_scope = None
@@ -131,3 +133,12 @@ def draft_layer_predicate(vllm_config: VllmConfig) -> Callable[[str], bool]:
         return lambda name: False
     target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     return lambda name: layer_sort_key(name)[0] >= target_layers
+
+
+def total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The target model's KV heads over all TP ranks (0: unknown, no other TP size reads it)."""
+    get = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    try:
+        return int(get()) if callable(get) else 0
+    except (AttributeError, TypeError, ValueError):
+        return 0

@@ -76,6 +76,7 @@ class Lease:
     created: float = 0.0
     claimed: bool = False  # a claim or heartbeat with its token arrived
     mismatches: int = 0  # claims that presented another prompt
+    bound: bool = False  # ``consumers`` set from the decode engine's TP size
 
 
 class LeaseAnswer(tuple):
@@ -217,12 +218,13 @@ class StagingPool:
         request_ids: Iterable[str],
         consumer: int = 0,
         tokens: Sequence[str] | None = None,
+        consumers: int = 0,
     ) -> LeaseAnswer:
         """Decode worker ``consumer`` (its TP rank) read these requests; slots are freed once
         every consumer released. ``tokens[i]`` is the capability presented for
-        ``request_ids[i]`` (None: a trusted in-process call). Returns (acknowledged, unknown,
-        refused); a lease named without its token is unknown and refused to that caller and
-        stays held."""
+        ``request_ids[i]`` (None: a trusted in-process call); ``consumers``: the caller's TP
+        size (``_bind_consumers``). Returns (acknowledged, unknown, refused); a lease named
+        without its token is unknown and refused to that caller and stays held."""
         released: list[str] = []
         unknown: list[str] = []
         refused: list[str] = []
@@ -232,12 +234,16 @@ class StagingPool:
         with self._lock:
             for i, rid in enumerate(ids):
                 lease = self._leases.get(rid)
-                if lease is None or not 0 <= consumer < lease.consumers:
-                    unknown.append(rid)  # a rank outside the lease's readers frees nothing
+                if lease is None:
+                    unknown.append(rid)
                     continue
                 if not self._holds(lease, tokens, i, missing, wrong):
                     unknown.append(rid)
                     refused.append(rid)
+                    continue
+                _bind_consumers(lease, consumers)
+                if not 0 <= consumer < lease.consumers:
+                    unknown.append(rid)  # a rank outside the lease's readers frees nothing
                     continue
                 lease.released_by.add(consumer)
                 released.append(rid)
@@ -252,13 +258,15 @@ class StagingPool:
         request_ids: Iterable[str],
         tokens: Sequence[str] | None = None,
         prompts: Sequence[PromptClaim] | None = None,
+        consumers: int = 0,
     ) -> LeaseAnswer:
         """Extend leases of requests the decode engine still waits to read (also its claim
         before decoding: a lease it does not hold is unknown, and nothing is decoded; one held
         but named without its token is also refused). ``prompts[i]``: the (digest, token count)
         of the caller's own prompt for ``request_ids[i]``; a lease staged for another prompt is
         unknown and mismatched to it, and not extended. A call presenting no digest ("") is an
-        older decode engine's: not checked."""
+        older decode engine's: not checked. ``consumers``: the caller's TP size
+        (``_bind_consumers``)."""
         extended: list[str] = []
         unknown: list[str] = []
         refused: list[str] = []
@@ -286,6 +294,7 @@ class StagingPool:
                     if lease.mismatches == 1:
                         first_mismatch.append(rid)
                     continue
+                _bind_consumers(lease, consumers)
                 until = now + self.lease_seconds
                 if self.max_age_seconds is not None:
                     until = min(until, lease.created + max(self.max_age_seconds,
@@ -379,6 +388,15 @@ class StagingPool:
     def _give_back(self, slots: Iterable[int]) -> None:
         for s in slots:
             heapq.heappush(self._free, s)
+
+
+def _bind_consumers(lease: Lease, consumers: int) -> None:
+    """The decode engine's TP size, from its first call that holds the lease's token: each of
+    its ranks releases the lease once, however many prefill ranks it read (a lease starts with
+    the prefill engine's TP size, what an older decode engine, which sends none, releases)."""
+    if consumers > 0 and not lease.bound:
+        lease.consumers = consumers
+        lease.bound = True
 
 
 def _same_prompt(lease: Lease, claim: PromptClaim) -> bool:

@@ -79,7 +79,7 @@ class TurboWireWorker:
         self.loader: KVLoader | None = None
         self.handshake_metadata: TurboWireHandshakeMetadata | None = None
         self.mem_type = "DRAM"
-        self._sizes: dict[tuple[int, int, bool], int] = {}
+        self._sizes: dict[tuple[int, int, bool, int], int] = {}
         self._saved_layers: set[int] = set()
         # side-channel calls (handshakes, claims, releases) on per-peer lanes: a prefill engine
         # that never answers holds up its own loads only (one pool for all peers stalled every
@@ -141,7 +141,7 @@ class TurboWireWorker:
             local = LocalEnd(
                 self.engine_id, self.tp_rank, self.record, self.mem_type, self.recv.data_ptr(),
                 max(device.index or 0, 0), self.caches.num_blocks,
-                self.caches.dense_bytes_per_token(),
+                self.caches.dense_bytes_per_token(), self.record.tp_size,
             )
             self.loader = KVLoader(
                 self.config, self.geometry, self.layout, self.chunk_nbytes, local, transport,
@@ -175,13 +175,15 @@ class TurboWireWorker:
         of a known name: ``NIXL_ERR_NOT_ALLOWED``) and every load from it fails."""
         return f"tw-{self.engine_id[:16]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
 
-    def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
+    def chunk_nbytes(self, layer: int, num_tokens: int, block_index: int,
+                     heads: int | None = None) -> int:
         """Exact bytes of the chunk of request block ``block_index`` (the first block of a
-        sequence carries extra rows, so the size depends on where the block starts)."""
-        key = (layer, num_tokens, block_index == 0)
+        sequence carries extra rows, so the size depends on where the block starts); ``heads``:
+        a prefill rank's heads per chunk when the engines' TP sizes differ."""
+        key = (layer, num_tokens, block_index == 0, heads or 0)
         size = self._sizes.get(key)
         if size is None:
-            size = chunk_nbytes(self.codec, self.geometry, layer, num_tokens, block_index)
+            size = chunk_nbytes(self.codec, self.geometry, layer, num_tokens, block_index, heads)
             self._sizes[key] = size
         return size
 

@@ -128,7 +128,7 @@ class FakeClient:
         self.tokens.append(("heartbeat", lease_tokens))
         return self._reply(ids)
 
-    def release(self, ids, engine_id="", tp_rank=0, lease_tokens=None):
+    def release(self, ids, engine_id="", tp_rank=0, lease_tokens=None, tp_size=0):
         self.calls.append("release")
         self.tokens.append(("release", lease_tokens))
         self.released.extend(ids)
@@ -234,7 +234,7 @@ def attach_loader(worker: TurboWireWorker, client: Any,
     wire = transport if transport is not None else FakeTransport()
     local = LocalEnd(w.engine_id, w.tp_rank, w.record, w.mem_type, w.recv.data_ptr(),
                      max(w.caches.device.index or 0, 0), w.caches.num_blocks,
-                     w.caches.dense_bytes_per_token())
+                     w.caches.dense_bytes_per_token(), w.record.tp_size)
     w.loader = KVLoader(w.config, w.geometry, w.layout, w.chunk_nbytes, local, wire,
                         SimpleNamespace(get=lambda host, port: client, close=lambda: None),
                         w.recv_ranges, w.coder.decode, InlineExecutor(), w.stats,

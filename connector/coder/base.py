@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from turbowire.connector.metadata import LoadRequest
+    from turbowire.kernels import HeadWindow
 
 
 class PendingDecode(Protocol):
@@ -147,8 +148,9 @@ class CacheCoder(Protocol):
         ...
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
-               chunks: ChunkOffsets) -> PendingDecode:
-        """Verify and decode the landed chunks of ``layers`` into the cache."""
+               chunks: ChunkOffsets, heads: HeadWindow | None = None) -> PendingDecode:
+        """Verify and decode the landed chunks of ``layers`` into the cache (``heads``: only
+        that window of each chunk's heads, a prefill rank of another TP size)."""
         ...
 
     def encode_chunks(self, plan: BlobPlan) -> EncodedBlobs:

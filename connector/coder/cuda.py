@@ -44,7 +44,7 @@ import torch
 
 from turbowire.connector import probe
 from turbowire.connector.coder import host
-from turbowire.connector.coder.base import BlobPlan, ChunkOffsets, check_sizes
+from turbowire.connector.coder.base import BlobPlan, ChunkOffsets, DoneDecode, check_sizes
 from turbowire.connector.coder.cuda_load import CudaDecoder, PendingGroup
 from turbowire.errors import TurboWireError
 from turbowire.kernels import (
@@ -52,6 +52,7 @@ from turbowire.kernels import (
     BlockIndexError,
     ChunkSet,
     EncodeLayersPlan,
+    HeadWindow,
     block_kernel_config,
     resolve_scales,
 )
@@ -141,6 +142,7 @@ class CudaCoder:
         self._noted: tuple[Any, list[int]] | None = None  # (meta, layers) before the plan
         self._step: SaveStep | None = None
         self._pending: list[list[tuple[Any, Any]]] = []
+        self.recv = recv
         self.decoder = CudaDecoder(self, recv)
 
     def scales(self, layer: int) -> Any:
@@ -306,7 +308,15 @@ class CudaCoder:
             self.decoder.prepare(load, recv_offset, chunks)
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
-               chunks: ChunkOffsets) -> PendingGroup:
+               chunks: ChunkOffsets,
+               heads: HeadWindow | None = None) -> PendingGroup | DoneDecode:
+        """A landed run through the load's prepared plan; a head window (a prefill rank of
+        another TP size) through the kernels' per-layer calls, done on return."""
+        if heads is not None:
+            assert self.recv is not None
+            host.decode_landed(self.codec, self.geometry, self.caches, self.recv, load, layers,
+                               recv_offset, chunks, heads)
+            return DoneDecode(layers)
         return self.decoder.decode(load, layers, recv_offset, chunks)
 
     # ------------------------------------------------------------------ store

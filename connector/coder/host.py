@@ -24,6 +24,7 @@ from turbowire.kernels import (
     BlockIndexError,
     DecodeItem,
     EncodeItem,
+    HeadWindow,
     decode_into,
     decode_layers_into,
     decode_state_into,
@@ -101,6 +102,48 @@ def decode_stored(codec: Codec, caches: Any, block_ids: Sequence[int], token_sta
     decode_layers_into(codec, jobs, source,
                        kv_scales=[caches.kv_scales(layer) for layer in range(len(jobs))])
     return num_tokens
+
+
+def decode_landed(codec: Codec, geometry: KVGeometry, caches: EngineCaches,
+                  recv: torch.Tensor, load: LoadRequest, layers: range, recv_offset: int,
+                  chunks: ChunkOffsets, heads: HeadWindow | None = None) -> None:
+    """Verify and decode a load's landed chunks of ``layers`` (in ``recv``) into the caches
+    through the kernels' per-layer calls; ``heads``: only that window of each chunk's heads (a
+    prefill rank of another TP size). Bytes final on return. The CUDA coder takes this path for
+    head windows."""
+    bs = geometry.block_size
+    table = load.block_ids
+    for block in load.blocks:
+        if block.index >= len(table) or table[block.index] != block.block_id:
+            raise BlockIndexError(f"block table does not map block {block.index}")
+    for layer in layers:
+        items = []
+        group_table = load.table(geometry.layers[layer].group)
+        if geometry.layers[layer].is_state:
+            for bi, block in enumerate(load.blocks):
+                if group_table[block.index] != NO_BLOCK:
+                    off, size = chunks[(bi, layer)]
+                    decode_state_into(caches.layouts[layer], layer, geometry.num_layers,
+                                      group_table[block.index], recv, recv_offset + off, size,
+                                      block.tag)
+            continue
+        # a hybrid model's partial block: the slots past its tokens are zeroed, as vLLM
+        # zeroes the blocks it allocates for models with Mamba layers (see zero_blocks)
+        partial = []
+        window = heads if not geometry.layers[layer].is_latent else None
+        for bi, block in enumerate(load.blocks):
+            if group_table[block.index] == NO_BLOCK:  # not held by this layer's group
+                continue
+            off, size = chunks[(bi, layer)]
+            items.append(DecodeItem(block_ids=group_table, token_start=block.index * bs,
+                                    num_tokens=block.num_tokens, in_offset=recv_offset + off,
+                                    nbytes=size, expected_tag=block.tag, heads=window))
+            if block.num_tokens < bs and geometry.state_groups:
+                partial.append(group_table[block.index])
+        caches.layouts[layer].zero_blocks(caches.tensors[layer], partial)
+        decode_into(codec, layer, caches.tensors[layer], caches.layouts[layer], items, recv,
+                    kv_scales=caches.kv_scales(layer))
+    wait_for_device(caches.device)
 
 
 class HostCoder:
@@ -200,42 +243,11 @@ class HostCoder:
         """Nothing to get ready: each group decodes when it lands."""
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
-               chunks: ChunkOffsets) -> DoneDecode:
+               chunks: ChunkOffsets, heads: HeadWindow | None = None) -> DoneDecode:
         """Verify and decode the chunks of ``layers`` now; the handle is done."""
         assert self.recv is not None
-        bs = self.geometry.block_size
-        table = load.block_ids
-        for block in load.blocks:
-            if block.index >= len(table) or table[block.index] != block.block_id:
-                raise BlockIndexError(f"block table does not map block {block.index}")
-        for layer in layers:
-            items = []
-            group_table = load.table(self.geometry.layers[layer].group)
-            if self.geometry.layers[layer].is_state:
-                for bi, block in enumerate(load.blocks):
-                    if group_table[block.index] != NO_BLOCK:
-                        off, size = chunks[(bi, layer)]
-                        decode_state_into(self.caches.layouts[layer], layer,
-                                          self.geometry.num_layers, group_table[block.index],
-                                          self.recv, recv_offset + off, size, block.tag)
-                continue
-            # a hybrid model's partial block: the slots past its tokens are zeroed, as vLLM
-            # zeroes the blocks it allocates for models with Mamba layers (see zero_blocks)
-            partial = []
-            for bi, block in enumerate(load.blocks):
-                if group_table[block.index] == NO_BLOCK:  # not held by this layer's group
-                    continue
-                off, size = chunks[(bi, layer)]
-                items.append(DecodeItem(block_ids=group_table, token_start=block.index * bs,
-                                        num_tokens=block.num_tokens, in_offset=recv_offset + off,
-                                        nbytes=size, expected_tag=block.tag))
-                if block.num_tokens < bs and self.geometry.state_groups:
-                    partial.append(group_table[block.index])
-            self.caches.layouts[layer].zero_blocks(self.caches.tensors[layer], partial)
-            decode_into(self.codec, layer, self.caches.tensors[layer],
-                        self.caches.layouts[layer], items, self.recv,
-                        kv_scales=self.caches.kv_scales(layer))
-        wait_for_device(self.device)
+        decode_landed(self.codec, self.geometry, self.caches, self.recv, load, layers,
+                      recv_offset, chunks, heads)
         return DoneDecode(layers)
 
     # ------------------------------------------------------------------ store

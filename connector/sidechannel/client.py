@@ -239,15 +239,17 @@ class SideChannelClient:
         engine_id: str = "",
         tp_rank: int = 0,
         lease_tokens: Sequence[str] | None = None,
+        tp_size: int = 0,
     ) -> pb.LeaseReply:
         """Release leases; ``lease_tokens[i]`` is the lease token presented for
         ``request_ids[i]`` (the ``turbowire_lease_token`` of its params). Without it the prefill
-        engine frees nothing: the id comes back ``unknown`` (and ``refused`` if held)."""
+        engine frees nothing: the id comes back ``unknown`` (and ``refused`` if held).
+        ``tp_size``: this engine's; each of its ranks releases once."""
         ids, tokens = _with_tokens(request_ids, lease_tokens)
         try:
             return self._stub.ReleaseLease(
                 pb.LeaseRequest(request_ids=ids, engine_id=engine_id, tp_rank=tp_rank,
-                                lease_tokens=tokens),
+                                lease_tokens=tokens, tp_size=tp_size),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )
@@ -260,6 +262,7 @@ class SideChannelClient:
         engine_id: str = "",
         lease_tokens: Sequence[str] | None = None,
         prompts: Sequence[tuple[str, int]] | None = None,
+        tp_size: int = 0,
     ) -> pb.LeaseReply:
         """Extend (or claim) leases, presenting each one's token like :meth:`release` and, in
         ``prompts[i]``, the (digest, token count) of this engine's own prompt for
@@ -278,7 +281,7 @@ class SideChannelClient:
         try:
             return self._stub.Heartbeat(
                 pb.LeaseRequest(request_ids=ids, engine_id=engine_id, lease_tokens=tokens,
-                                prompt_digests=digests, prompt_tokens=counts),
+                                prompt_digests=digests, prompt_tokens=counts, tp_size=tp_size),
                 timeout=self.timeout,
                 metadata=self._metadata,
             )

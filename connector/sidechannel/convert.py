@@ -43,13 +43,16 @@ def record_to_proto(record: CompatibilityRecord) -> pb.CompatibilityRecord:
         tp_size=record.tp_size,
         speculative_config=record.speculative_config,
         weights=record.weights,
+        model_kv_heads=list(record.model_kv_heads),
+        rope_dim=record.rope_dim,
     )
 
 
 def record_from_proto(msg: pb.CompatibilityRecord) -> CompatibilityRecord:
-    if len(msg.kv_heads) > MAX_LAYERS:
+    if max(len(msg.kv_heads), len(msg.model_kv_heads)) > MAX_LAYERS:
         raise SideChannelProtocolError(
-            f"record lists {len(msg.kv_heads)} layers (max {MAX_LAYERS})"
+            f"record lists {max(len(msg.kv_heads), len(msg.model_kv_heads))} layers "
+            f"(max {MAX_LAYERS})"
         )
     return CompatibilityRecord(
         model=msg.model,
@@ -65,6 +68,8 @@ def record_from_proto(msg: pb.CompatibilityRecord) -> CompatibilityRecord:
         tp_size=msg.tp_size,
         speculative_config=msg.speculative_config,
         weights=msg.weights,
+        model_kv_heads=tuple(msg.model_kv_heads),
+        rope_dim=msg.rope_dim,
     )
 
 

@@ -40,6 +40,7 @@ from turbowire.connector.compat import CompatibilityRecord
 from turbowire.connector.config import (
     CONFIG_KEYS_BY_NAME,
     MAX_LEASE_TOKEN_CHARS,
+    MAX_TP_SIZE,
     ConnectorConfigError,
     TurboWireConfig,
     check_side_channel_tls,
@@ -157,12 +158,13 @@ class LeaseHandler(Protocol):
     (:class:`~turbowire.connector.staging.LeaseAnswer`)."""
 
     def release(
-        self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str]
+        self, request_ids: Sequence[str], consumer: int, tokens: Sequence[str],
+        consumers: int = 0,
     ) -> tuple[list[str], list[str], list[str]]: ...
 
     def heartbeat(
         self, request_ids: Sequence[str], tokens: Sequence[str],
-        prompts: Sequence[tuple[str, int]] | None = None,
+        prompts: Sequence[tuple[str, int]] | None = None, consumers: int = 0,
     ) -> tuple[list[str], list[str], list[str]]: ...
 
     def snapshot(self) -> Any: ...
@@ -279,6 +281,14 @@ class SideChannelHandler(pb_grpc.SideChannelServicer):
             )
         return list(zip(digests, counts, strict=True))
 
+    @staticmethod
+    def _tp_size(request: pb.LeaseRequest, context: grpc.ServicerContext) -> int:
+        """The caller's TP size (0: an older caller), bounded: it sets how many releases free a
+        lease."""
+        if request.tp_size > MAX_TP_SIZE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tp_size above {MAX_TP_SIZE}")
+        return int(request.tp_size)
+
     def _log_unknown(self, unknown: list[str]) -> None:
         """Releases of leases this engine does not hold (expired, refused, a peer's retry):
         logged at most once per ``UNKNOWN_LOG_PERIOD_S``, a caller cannot flood the log."""
@@ -296,7 +306,9 @@ class SideChannelHandler(pb_grpc.SideChannelServicer):
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseReply:
         ids, tokens = self._ids(request, context)
-        done, unknown, refused = self._owner.leases.release(ids, request.tp_rank, tokens)
+        tp_size = self._tp_size(request, context)
+        extra = {"consumers": tp_size} if tp_size else {}
+        done, unknown, refused = self._owner.leases.release(ids, request.tp_rank, tokens, **extra)
         if unknown:
             self._log_unknown(unknown)
         return pb.LeaseReply(done=done, unknown=unknown, refused=refused)
@@ -307,8 +319,10 @@ class SideChannelHandler(pb_grpc.SideChannelServicer):
         ids, tokens = self._ids(request, context)
         prompts = self._prompts(request, len(ids), context)
         leases = self._owner.leases
-        answer = leases.heartbeat(ids, tokens) if prompts is None else leases.heartbeat(
-            ids, tokens, prompts)
+        tp_size = self._tp_size(request, context)
+        extra = {"consumers": tp_size} if tp_size else {}
+        answer = leases.heartbeat(ids, tokens, **extra) if prompts is None else leases.heartbeat(
+            ids, tokens, prompts, **extra)
         done, unknown, refused = answer
         mismatched = getattr(answer, "mismatched", [])
         return pb.LeaseReply(done=done, unknown=unknown, refused=refused,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompatibilityRecord(_message.Message):
-    __slots__ = ("model", "num_layers", "num_draft_layers", "kv_heads", "head_dim", "block_size", "dtype", "preset", "format_version", "codec_format_version", "tp_size", "speculative_config", "weights")
+    __slots__ = ("model", "num_layers", "num_draft_layers", "kv_heads", "head_dim", "block_size", "dtype", "preset", "format_version", "codec_format_version", "tp_size", "speculative_config", "weights", "model_kv_heads", "rope_dim")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class CompatibilityRecord(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    ROPE_DIM_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_draft_layers: int
@@ -34,7 +36,9 @@ class CompatibilityRecord(_message.Message):
     tp_size: int
     speculative_config: str
     weights: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., kv_heads: _Optional[_Iterable[int]] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., preset: _Optional[str] = ..., format_version: _Optional[int] = ..., codec_format_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., speculative_config: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
+    model_kv_heads: _containers.RepeatedScalarFieldContainer[int]
+    rope_dim: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., kv_heads: _Optional[_Iterable[int]] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., preset: _Optional[str] = ..., format_version: _Optional[int] = ..., codec_format_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., speculative_config: _Optional[str] = ..., weights: _Optional[str] = ..., model_kv_heads: _Optional[_Iterable[int]] = ..., rope_dim: _Optional[int] = ...) -> None: ...
 
 class StagingGeometry(_message.Message):
     __slots__ = ("base_addr", "slot_bytes", "num_slots", "layer_offsets", "device_id", "mem_type")
@@ -77,20 +81,22 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., record: _Optional[_Union[CompatibilityRecord, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., staging: _Optional[_Union[StagingGeometry, _Mapping]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("request_ids", "engine_id", "tp_rank", "lease_tokens", "prompt_digests", "prompt_tokens")
+    __slots__ = ("request_ids", "engine_id", "tp_rank", "lease_tokens", "prompt_digests", "prompt_tokens", "tp_size")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     engine_id: str
     tp_rank: int
     lease_tokens: _containers.RepeatedScalarFieldContainer[str]
     prompt_digests: _containers.RepeatedScalarFieldContainer[str]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_tokens: _Optional[_Iterable[str]] = ..., prompt_digests: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., lease_tokens: _Optional[_Iterable[str]] = ..., prompt_digests: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("done", "unknown", "refused", "prompt_mismatch")

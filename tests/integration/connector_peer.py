@@ -33,6 +33,7 @@ def record(**over) -> CompatibilityRecord:
         codec_format_version=1,
         tp_size=1,
         speculative_config=None,
+        model_kv_heads=(2,) * NUM_LAYERS,
     )
     return dataclasses.replace(base, **over)
 

@@ -35,6 +35,8 @@ CHANGES = {
     "tp_size": 2,
     "speculative_config": '{"method": "eagle3"}',
     "weights": "fedcba9876543210",
+    "model_kv_heads": (2, 2, 1),
+    "rope_dim": 64,
 }
 
 

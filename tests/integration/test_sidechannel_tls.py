@@ -120,17 +120,17 @@ class SpyLeases:
         if self._block is not None:
             self._block.wait(30)
 
-    def release(self, request_ids: Any, consumer: int = 0, tokens: Any = None
-                ) -> tuple[list[str], list[str], list[str]]:
+    def release(self, request_ids: Any, consumer: int = 0, tokens: Any = None,
+                consumers: int = 0) -> tuple[list[str], list[str], list[str]]:
         self.calls.append("release")
         self._wait()
-        return self.pool.release(request_ids, consumer, tokens)
+        return self.pool.release(request_ids, consumer, tokens, consumers)
 
-    def heartbeat(self, request_ids: Any, tokens: Any = None
+    def heartbeat(self, request_ids: Any, tokens: Any = None, consumers: int = 0
                   ) -> tuple[list[str], list[str], list[str]]:
         self.calls.append("heartbeat")
         self._wait()
-        return self.pool.heartbeat(request_ids, tokens)
+        return self.pool.heartbeat(request_ids, tokens, consumers=consumers)
 
     def snapshot(self) -> Any:
         self.calls.append("snapshot")

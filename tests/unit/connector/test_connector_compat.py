@@ -20,6 +20,7 @@ BASE = CompatibilityRecord.build(
     codec_format_version=1,
     tp_size=1,
     speculative_config=None,
+    model_kv_heads=(3,) * 4,
 )
 
 CHANGES = {
@@ -36,6 +37,8 @@ CHANGES = {
     "tp_size": 2,
     "speculative_config": '{"method": "eagle"}',
     "weights": "0123456789abcdef",  # other weights under the same served name
+    "model_kv_heads": (3, 3, 3, 1),
+    "rope_dim": 64,
 }
 
 

@@ -69,7 +69,8 @@ def test_parse_roundtrip_and_hma_nesting():
         ({"remote_block_ids": [4, -5, 6]}, "non-negative integers"),
         ({"remote_block_ids": "4,5,6"}, "must be a list"),
         ({"turbowire_preset": None}, "turbowire_preset is missing"),
-        ({"tp_size": 0}, "tp_size must be a positive integer"),
+        ({"tp_size": 0}, "tp_size must be an integer in 1..1024"),
+        ({"tp_size": 1 << 30}, "tp_size must be an integer in 1..1024"),  # plans a load per rank
         ({"remote_block_ids": [4, 5, 4]}, "duplicate slots"),
         ({"remote_request_id": "r" * 10_000}, "10000 characters long"),
         ({"turbowire_fallback": "x" * 600}, "600 characters long"),

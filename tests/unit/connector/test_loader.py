@@ -581,7 +581,7 @@ def test_a_failed_load_whose_release_cannot_get_through_is_counted_once():
 
     r = rig()
 
-    def release(ids, engine_id="", tp_rank=0, lease_tokens=None):
+    def release(ids, engine_id="", tp_rank=0, lease_tokens=None, tp_size=0):
         raise PeerUnreachableError("side channel 127.0.0.1:5700 unreachable")
 
     r.client.release = release
@@ -598,7 +598,7 @@ def test_a_successful_load_whose_release_cannot_get_through_is_counted():
 
     r = rig()
 
-    def release(ids, engine_id="", tp_rank=0, lease_tokens=None):
+    def release(ids, engine_id="", tp_rank=0, lease_tokens=None, tp_size=0):
         raise PeerUnreachableError("side channel 127.0.0.1:5700 unreachable")
 
     r.client.release = release
@@ -667,7 +667,7 @@ class PromptCheckingClient(FakeClient):
         self.staged = staged
         self.prompts: list[object] = []
 
-    def heartbeat(self, ids, engine_id="", lease_tokens=None, prompts=None):
+    def heartbeat(self, ids, engine_id="", lease_tokens=None, prompts=None, tp_size=0):
         reply = super().heartbeat(ids, engine_id, lease_tokens)
         self.prompts.append(prompts)
         bad = [i for i, p in zip(ids, prompts or [("", 0)] * len(ids), strict=True)

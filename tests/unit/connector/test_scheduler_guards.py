@@ -400,7 +400,7 @@ class SlowPeers:
         pool = self
 
         class Client:
-            def heartbeat(self, ids, engine_id="", lease_tokens=None, prompts=None):
+            def heartbeat(self, ids, engine_id="", lease_tokens=None, prompts=None, tp_size=0):
                 pool.calls.append((host, time.monotonic(), prompts))
                 if host == "hung.example":
                     pool.release.wait(10)

@@ -1,0 +1,147 @@
+"""Prefill and decode engines of other TP sizes: which prefill ranks a decode rank reads and
+which heads of their chunks it keeps (``tp_plan``), which pairs the compatibility record lets
+exchange KV, and a lease freed once every rank of the decode engine released it."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerError
+from turbowire.connector.geometry import KVGeometry, LayerSpec
+from turbowire.connector.staging import StagingPool
+from turbowire.connector.tp_plan import (
+    HeadSource,
+    TensorParallelError,
+    head_sources,
+    load_plan,
+    model_kv_heads,
+    peer_refusal,
+    rank_heads,
+    tp_refusal,
+)
+
+
+def test_ranks_hold_heads_as_vllm_shards_them():
+    assert [rank_heads(8, 2, r) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [rank_heads(2, 4, r) for r in range(4)] == [range(0, 1)] * 2 + [range(1, 2)] * 2
+    assert rank_heads(1, 8, 7) == range(0, 1)
+    with pytest.raises(TensorParallelError, match="do not split"):
+        rank_heads(6, 4, 0)
+
+
+SIZES = [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("prefill_tp,decode_tp", list(itertools.product(SIZES, SIZES)))
+def test_every_decode_rank_gets_exactly_its_heads_from_ranks_that_hold_them(heads, prefill_tp,
+                                                                             decode_tp):
+    for rank in range(decode_tp):
+        want = rank_heads(heads, decode_tp, rank)
+        got: list[int] = []
+        for src in head_sources(heads, prefill_tp, decode_tp, rank):
+            have = rank_heads(heads, prefill_tp, src.prefill_rank)
+            assert src.src_heads == len(have)
+            assert 0 <= src.src_start and src.src_start + src.count <= src.src_heads
+            # the global heads it takes are the ones it writes, in place
+            taken = list(have)[src.src_start:src.src_start + src.count]
+            assert taken == list(want)[src.dst_start:src.dst_start + src.count]
+            got += taken
+        assert got == list(want)
+
+
+def test_replicas_spread_the_reads_over_the_prefill_ranks():
+    """2 heads on 4 prefill ranks (each head twice), 2 decode ranks of 1 head each: the two
+    decode ranks read different prefill ranks."""
+    ranks = [head_sources(2, 4, 2, r)[0].prefill_rank for r in range(2)]
+    assert len(set(ranks)) == 2
+    assert head_sources(4, 1, 2, 1) == [HeadSource(0, 4, 2, 2, 0, 2)]
+    assert head_sources(4, 2, 1, 0) == [HeadSource(0, 2, 0, 2, 0, 4), HeadSource(1, 2, 0, 2, 2, 4)]
+    assert not any(s.whole for s in head_sources(4, 2, 1, 0))
+
+
+def test_an_mla_latent_is_read_whole_from_one_rank():
+    assert head_sources(4, 2, 4, 3, replicated=True) == [HeadSource(1, 4, 0, 4, 0, 4)]
+    assert head_sources(4, 2, 4, 3, replicated=True)[0].whole
+
+
+def geometry(heads: int, *, draft: bool = False, rope: int = 0, state: bool = False
+             ) -> KVGeometry:
+    layers = [LayerSpec(f"model.layers.{i}.self_attn.attn", heads, 64, rope_dim=rope)
+              for i in range(2)]
+    if draft:
+        layers.append(LayerSpec("model.layers.2.self_attn.attn", heads, 64, is_draft=True))
+    if state:
+        layers.append(LayerSpec("model.layers.3.mixer", 1, 64, group=1, state_bytes=4096))
+    return KVGeometry(tuple(layers), 32, "bfloat16")
+
+
+def record(tp: int, total: int = 4, **kind) -> CompatibilityRecord:
+    geo = geometry(max(1, total // tp) if not kind.get("rope") else 4, **kind)
+    return CompatibilityRecord.build(model="m", geometry=geo, preset="tq4",
+                                     codec_format_version=1, tp_size=tp, speculative_config=None,
+                                     model_kv_heads=model_kv_heads(geo, tp, total))
+
+
+def test_records_of_other_tp_sizes_compare_the_models_heads():
+    assert record(1).mismatch(record(2)) is None
+    assert record(4).mismatch(record(1)) is None
+    assert record(2, total=2).mismatch(record(4, total=2)) is None  # replicated heads
+    err = record(1).mismatch(record(2, total=8))
+    assert isinstance(err, IncompatiblePeerError) and err.field_name == "model_kv_heads"
+    assert load_plan(record(2), 1, 1, replicated=False) == [HeadSource(0, 4, 2, 2, 0, 2)]
+    assert load_plan(record(2), 2, 1, replicated=False) == [HeadSource.same_rank(1)]
+
+
+@pytest.mark.parametrize("kind,why", [
+    ({"draft": True}, "drafter"),
+    ({"state": True}, "Mamba"),
+])
+def test_what_other_tp_sizes_cannot_exchange_is_refused_by_name(kind, why):
+    ours, theirs = record(1, **kind), record(2, **kind)
+    assert why in tp_refusal(ours, theirs)
+    err = ours.mismatch(theirs)
+    assert err is not None and err.field_name == "tp_size" and why in str(err)
+    assert ours.mismatch(dataclasses.replace(ours)) is None  # equal TP sizes: as before
+    assert why in peer_refusal(ours, 2)
+
+
+def test_an_older_peer_or_a_bad_split_is_refused():
+    old = dataclasses.replace(record(2), model_kv_heads=())
+    assert "predates" in tp_refusal(record(1), old)
+    assert "do not split" in tp_refusal(record(1), dataclasses.replace(record(1), tp_size=3))
+    assert peer_refusal(record(1), 1) is None
+    assert "do not split" in peer_refusal(record(1), 3)
+
+
+def test_mla_records_exchange_at_any_tp_size():
+    ours, theirs = record(1, rope=64), record(3, rope=64)
+    assert ours.rope_dim == 64 and ours.kv_heads == theirs.kv_heads
+    assert ours.mismatch(theirs) is None
+    assert peer_refusal(ours, 3) is None
+
+
+def test_a_lease_is_freed_once_every_rank_of_the_decode_engine_released_it():
+    pool = StagingPool(8, 30.0)
+    pool.reserve("r", 2)
+    lease = pool.lease("r", consumers=1)  # a prefill engine of TP 1
+    tokens = [lease.token]
+    # a decode engine of TP 2: its claim says so; rank 0 alone does not free the lease
+    assert pool.heartbeat(["r"], tokens, consumers=2).done == ["r"]
+    assert pool.release(["r"], 0, tokens, consumers=2).done == ["r"]
+    assert pool.has_lease("r")
+    assert pool.release(["r"], 1, tokens, consumers=2).done == ["r"]
+    assert not pool.has_lease("r")
+    # a decode engine of TP 1 reading a TP 2 prefill engine releases once
+    pool.reserve("s", 1)
+    lease = pool.lease("s", consumers=2)
+    assert pool.release(["s"], 0, [lease.token], consumers=1).done == ["s"]
+    assert not pool.has_lease("s")
+    # a call without the lease's token sets nothing
+    pool.reserve("t", 1)
+    lease = pool.lease("t", consumers=2)
+    assert pool.release(["t"], 0, ["wrong"], consumers=1).refused == ["t"]
+    assert pool.release(["t"], 0, [lease.token]).done == ["t"] and pool.has_lease("t")
