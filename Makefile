@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup system-deps venv lint test test-matrix test-unit fuzz soak demo eval bench-kernels bench-e2e bench-gpu-path bench-block-chunks gpu-install clean
+.PHONY: setup system-deps venv lint test test-matrix test-unit test-tp fuzz soak demo eval bench-kernels bench-e2e bench-gpu-path bench-block-chunks gpu-install clean
 
 # build-essential + python3-dev: the C CPU codec (kernels/cpu/) is compiled by `pip install -e .`
 APT_PACKAGES := redis-server prometheus iproute2 build-essential python3-dev
@@ -66,6 +66,13 @@ test-matrix: venv
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit
+
+# Prefill and decode engines at different TP sizes (P TP=1 / D TP=2 and the reverse, raw and tq4)
+# on real vLLM CPU engines, ~6 min. Not in `make test`: on 2 cores an engine of TP 2 stalls the
+# other engine's side channel for up to minutes in about one request in five (docs/serving.md,
+# "Prefill and decode at different TP sizes").
+test-tp: venv
+	$(PY) -m pytest -q -p no:cacheprovider tests/e2e/tp_sizes_e2e.py
 
 # Fuzz every parser of network input (chunk wire format, side-channel messages, kv_transfer_params,
 # store blobs and directory values, proxy bodies) for FUZZ_SECONDS in all; failures are saved under

@@ -100,28 +100,32 @@ def start_stack(model: Path, preset: str, log_dir: Path, staging_bytes: int,
                 extra: dict | None = None, block_size: int = BLOCK_SIZE,
                 dtype: str = "bfloat16", env: dict[str, str] | None = None,
                 extra_args: tuple[str, ...] = (),
+                tp: tuple[int, int] = (1, 1),
                 ) -> tuple[ProcessGroup, PDStack]:
     """A prefill engine (core 0, ``kv_producer``), a decode engine (core 1, ``kv_consumer``)
     and the proxy, warmed up: the roles of a normal P/D deployment. ``dtype``
     is the engines' ``--dtype``; ``env`` is added to both engines' environment, ``extra_args``
-    to both command lines."""
+    to both command lines. ``tp``: the (prefill, decode) TP sizes; an engine of TP 2 spans both
+    cores, one rank on each (vLLM CPU binds one rank per ``|``-separated core list)."""
     group = ProcessGroup()
     try:
-        common = dict(kvcache_gib=1, block_size=block_size, max_model_len=2048, max_num_seqs=8,
-                      max_num_batched_tokens=1024, served_model_name=MODEL_NAME, dtype=dtype,
-                      env=dict(env or {}), extra_args=tuple(extra_args))
-        cfg = dict(preset=preset, staging_bytes=staging_bytes, lease_seconds=10,
-                   **(extra or {}))
-        p = group.add(start_engine(EngineSpec(
-            "prefill", model, free_port(), cpu=0,
-            kv_transfer_config=turbowire_kv_config("kv_producer", side_channel_port=free_port(),
-                                                   **cfg),
-            **common), log_dir))
-        d = group.add(start_engine(EngineSpec(
-            "decode", model, free_port(), cpu=1,
-            kv_transfer_config=turbowire_kv_config("kv_consumer", side_channel_port=free_port(),
-                                                   **cfg),
-            **common), log_dir))
+        cfg = {"preset": preset, "staging_bytes": staging_bytes, "lease_seconds": 10,
+               **(extra or {})}
+
+        def spec(name: str, role: str, cpu: int, size: int) -> EngineSpec:
+            ranks = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c % 2) for c in range(size))}
+            return EngineSpec(
+                name, model, free_port(), cpu=cpu,
+                kv_transfer_config=turbowire_kv_config(role, side_channel_port=free_port(),
+                                                       **cfg),
+                kvcache_gib=1, block_size=block_size, max_model_len=2048, max_num_seqs=8,
+                max_num_batched_tokens=1024, served_model_name=MODEL_NAME, dtype=dtype,
+                env={**(env or {}), **(ranks if size > 1 else {})},
+                extra_args=tuple(extra_args) + (
+                    ("--tensor-parallel-size", str(size)) if size > 1 else ()))
+
+        p = group.add(start_engine(spec("prefill", "kv_producer", 0, tp[0]), log_dir))
+        d = group.add(start_engine(spec("decode", "kv_consumer", 1, tp[1]), log_dir))
         p.wait_healthy(900)
         d.wait_healthy(900)
         x = group.add(start_proxy([p.url], [d.url], free_port(), log_dir))
