@@ -13,8 +13,8 @@ own heads (one chunk per layer and block, every head of that rank inside), so a 
   one's chunk at its heads' offset;
 - with an MLA model (the latent is the same on every rank) reads one prefill rank, whole.
 
-Every plan is a list of :class:`HeadSource`; equal TP gives ``[HeadSource(rank, all heads, 0)]``,
-today's one-peer load.
+Every plan is a list of :class:`HeadSource`; equal TP sizes give ``[HeadSource.same_rank(rank)]``,
+the one-peer load of the same rank's whole chunks.
 """
 
 from __future__ import annotations
