@@ -2,7 +2,7 @@
 host coder): a prefill rank stages chunks of its own heads; a decode rank decodes the window of
 them that is its own (``HeadWindow``) at its heads' place. Every chunk codes each head on its
 own, so the decode ranks end up with exactly the KV an equal-TP load writes, bit for bit, for
-every preset; and nothing else of their caches changes."""
+each preset tested; and nothing else of their caches changes."""
 
 from __future__ import annotations
 
