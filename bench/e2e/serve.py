@@ -620,7 +620,7 @@ class ClientWorker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "turbowire.bench_e2e.vllm_client", "--worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                cwd=str(self.log_dir), start_new_session=True,
+                cwd=str(self.log_dir), process_group=0,  # the engines' session (serving/launch.py)
                 env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 
     def stop(self) -> None:

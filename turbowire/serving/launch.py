@@ -1,10 +1,13 @@
 """Start, watch and stop vLLM engines and the proxy: the one launcher of the demo, the e2e tests and
 the benchmarks (``bench/metrics_run.py``, ``turbowire.bench_e2e.engines``).
 
-Each process gets its own session (process group) so stopping kills every child it spawned;
-engines are pinned to their own core (``VLLM_CPU_OMP_THREADS_BIND``) with a small KV cache
-(``VLLM_CPU_KVCACHE_SPACE``); a machine-wide ``flock`` serializes engine workloads of people
-sharing a machine.
+Each process gets its own process group, so stopping kills every child it spawned, and stays in
+the launcher's session. With a session per engine (Linux schedules each session as one group,
+"autogroup"), the ranks of a TP > 1 engine, which busy-wait with ``sched_yield`` while a request
+waits for its KV, starved the other engine's threads for 30 s to minutes on a 2-core machine; in
+one session no such stall was seen. Engines are pinned to their own core
+(``VLLM_CPU_OMP_THREADS_BIND``) with a small KV cache (``VLLM_CPU_KVCACHE_SPACE``); a machine-wide
+``flock`` serializes engine workloads of people sharing a machine.
 """
 
 from __future__ import annotations
@@ -295,7 +298,8 @@ def spawn(
     log_name: str | None = None,
     cwd: Path | None = None,
 ) -> ManagedProcess:
-    """Start ``cmd`` in its own session, stdout and stderr to ``log_dir/<log_name>``.
+    """Start ``cmd`` in its own process group (the launcher's session, above), stdout and stderr to
+    ``log_dir/<log_name>``.
 
     ``log_name`` defaults to ``<name>.log``. ``cwd`` defaults to ``log_dir``: not the repository
     root, whose top-level folders (kernels/, codec/) would shadow PyPI packages of the same name
@@ -315,7 +319,8 @@ def _popen(cmd: list[str], env: dict[str, str], log_path: Path,
            cwd: Path | None) -> subprocess.Popen[bytes]:
     with open(log_path, "wb") as log:
         return subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            process_group=0,
             cwd=None if cwd is None else str(cwd),
         )
 
