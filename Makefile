@@ -72,7 +72,7 @@ test-unit: venv
 # other engine's side channel for up to minutes in about one request in five (docs/serving.md,
 # "Prefill and decode at different TP sizes").
 test-tp: venv
-	$(PY) -m pytest -q -p no:cacheprovider tests/e2e/tp_sizes_e2e.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_tp_sizes_e2e.py
 
 # Fuzz every parser of network input (chunk wire format, side-channel messages, kv_transfer_params,
 # store blobs and directory values, proxy bodies) for FUZZ_SECONDS in all; failures are saved under
