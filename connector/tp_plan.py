@@ -144,9 +144,14 @@ def tp_refusal(ours: CompatibilityRecord, theirs: CompatibilityRecord) -> str | 
         if record.num_draft_layers:
             return ("a drafter's KV moves with the target's, which is supported at equal TP "
                     "sizes only")
-        if 0 in heads:
+        unread = [i for i, h in enumerate(heads) if h == 0]
+        if any(record.kv_heads[i] == 0 for i in unread):  # a state layer holds no KV heads
             return ("this model's Mamba / linear-attention state moves per rank, which is "
                     "supported at equal TP sizes only")
+        if unread:
+            return (f"a TP {record.tp_size} engine's layer {unread[0]} holds "
+                    f"{record.kv_heads[unread[0]]} KV heads per rank, not vLLM's share of the "
+                    "model's heads (equal TP sizes only)")
         if len(set(heads)) != 1:
             return "this model's layers hold different KV head counts (equal TP sizes only)"
     if ours.rope_dim or theirs.rope_dim:  # an MLA latent: every rank holds all of it

@@ -75,7 +75,8 @@ def geometry(heads: int, *, draft: bool = False, rope: int = 0, state: bool = Fa
     if draft:
         layers.append(LayerSpec("model.layers.2.self_attn.attn", heads, 64, is_draft=True))
     if state:
-        layers.append(LayerSpec("model.layers.3.mixer", 1, 64, group=1, state_bytes=4096))
+        # a state layer holds no KV heads (as connector.geometry builds it)
+        layers.append(LayerSpec("model.layers.3.mixer", 0, 0, group=1, state_bytes=4096))
     return KVGeometry(tuple(layers), 32, "bfloat16")
 
 
@@ -115,6 +116,13 @@ def test_an_older_peer_or_a_bad_split_is_refused():
     assert "do not split" in tp_refusal(record(1), dataclasses.replace(record(1), tp_size=3))
     assert peer_refusal(record(1), 1) is None
     assert "do not split" in peer_refusal(record(1), 3)
+
+
+def test_a_layer_holding_another_share_of_heads_is_refused_as_such():
+    ours = record(1)
+    odd = dataclasses.replace(record(2), kv_heads=(2, 3), model_kv_heads=(4, 0))
+    why = tp_refusal(ours, odd)
+    assert "layer 1 holds 3 KV heads per rank" in why and "Mamba" not in why
 
 
 def test_mla_records_exchange_at_any_tp_size():
