@@ -1,4 +1,5 @@
-"""The launcher's spawn: its own session, the log where the caller names it, the cwd it is given."""
+"""The launcher's spawn: its own process group in the caller's session, the log where the caller
+names it, the cwd it is given."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ from turbowire.serving.launch import EngineSpec, spawn
 
 
 def _print_cwd() -> list[str]:
-    return [sys.executable, "-c", "import os; print(os.getcwd()); print(os.getpgid(0))"]
+    return [sys.executable, "-c",
+            "import os; print(os.getcwd()); print(os.getpgid(0)); print(os.getsid(0))"]
 
 
-def test_spawn_runs_in_the_log_dir_by_default_in_its_own_session(tmp_path: Path) -> None:
+def test_spawn_runs_in_the_log_dir_in_its_own_group_of_the_callers_session(tmp_path: Path,
+                                                                            ) -> None:
     proc = spawn("probe", _print_cwd(), dict(os.environ), tmp_path / "logs", "http://127.0.0.1:1")
     assert proc.popen.wait(timeout=30) == 0
     assert proc.log_path == tmp_path / "logs" / "probe.log"
-    cwd, pgid = proc.log_text().split()
+    cwd, pgid, sid = proc.log_text().split()
     assert Path(cwd) == (tmp_path / "logs").resolve()
     assert int(pgid) == proc.popen.pid  # its own process group: stop() kills all of it
+    # the caller's session: Linux's autogroup scheduler shares the CPU per session, and a TP 2
+    # engine's busy-waiting ranks starved an engine of another session (launch.py)
+    assert int(sid) == os.getsid(0)
     proc.stop(timeout=1)
 
 
