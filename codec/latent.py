@@ -106,6 +106,40 @@ def encode_latent(codec: Codec, layer: int, latent: torch.Tensor, rope: torch.Te
     return EncodedChunk(header, torch.cat([head, body]))
 
 
+def check_latent_chunk(
+    codec: Codec,
+    layer: int,
+    data: torch.Tensor,
+    latent_dim: int,
+    rope_dim: int,
+    *,
+    expected_tag: int | None = None,
+    expected_tokens: int | None = None,
+    expected_offset: int | None = None,
+) -> tuple[ChunkHeader, torch.Tensor]:
+    """Verify that ``data`` (uint8) is the latent chunk of this layer and geometry that the caller
+    expects, body checksum included, without decoding it: a caller that writes several chunks
+    all or nothing checks each first. Returns its header and body."""
+    header = parse_header(data)
+    vectors = check_latent_dims(codec, latent_dim, rope_dim)
+    if not header.is_latent:
+        raise IncompatiblePayloadError("chunk refused: a K/V chunk where an MLA latent chunk "
+                                       "was expected")
+    latent_only = ChunkHeader(**{**header.__dict__, "rope_dim": 0})
+    codec.check_compatible(latent_only, layer, expected_tag, expected_tokens, expected_offset)
+    if header.num_heads != vectors or header.rope_dim != rope_dim:
+        raise IncompatiblePayloadError(
+            f"chunk refused: a latent of {header.num_heads} x {header.head_dim} + RoPE "
+            f"{header.rope_dim} (expected {latent_dim} + {rope_dim})")
+    body = verify_body(header, data)
+    c, pe = _streams(codec, layer, header.num_tokens, vectors, rope_dim, header.sequence_start)
+    if c.nbytes + pe.nbytes != header.body_nbytes:
+        raise IncompatiblePayloadError(
+            f"body is {header.body_nbytes} bytes; preset {codec.preset.name} at this geometry "
+            f"needs {c.nbytes + pe.nbytes}")
+    return header, body
+
+
 def decode_latent(
     codec: Codec,
     layer: int,
@@ -119,25 +153,11 @@ def decode_latent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a latent chunk of this layer and geometry; returns (latent [T, L], rope [T, R])."""
     data = encoded.data if isinstance(encoded, EncodedChunk) else as_uint8(encoded)
-    header = parse_header(data)
-    vectors = check_latent_dims(codec, latent_dim, rope_dim)
-    if not header.is_latent:
-        raise IncompatiblePayloadError("chunk refused: a K/V chunk where an MLA latent chunk "
-                                       "was expected")
-    latent_only = ChunkHeader(**{**header.__dict__, "rope_dim": 0})
-    codec.check_compatible(latent_only, layer, expected_tag, expected_tokens, expected_offset)
-    if header.num_heads != vectors or header.rope_dim != rope_dim:
-        raise IncompatiblePayloadError(
-            f"chunk refused: a latent of {header.num_heads} x {header.head_dim} + RoPE "
-            f"{header.rope_dim} (expected {latent_dim} + {rope_dim})")
-    body = verify_body(header, data)
-    start = header.sequence_start
-    c, pe = _streams(codec, layer, header.num_tokens, vectors, rope_dim, start)
-    if c.nbytes + pe.nbytes != header.body_nbytes:
-        raise IncompatiblePayloadError(
-            f"body is {header.body_nbytes} bytes; preset {codec.preset.name} at this geometry "
-            f"needs {c.nbytes + pe.nbytes}")
-    tokens = header.num_tokens
+    header, body = check_latent_chunk(codec, layer, data, latent_dim, rope_dim,
+                                      expected_tag=expected_tag, expected_tokens=expected_tokens,
+                                      expected_offset=expected_offset)
+    start, tokens, vectors = header.sequence_start, header.num_tokens, header.num_heads
+    c, pe = _streams(codec, layer, tokens, vectors, rope_dim, start)
     latent = decode_stream(codec.policy(layer).k, body[:c.nbytes], tokens, vectors,
                            codec.head_dim, header.dtype, start)
     rope = decode_stream(RAW, body[c.nbytes:c.nbytes + pe.nbytes], tokens, 1, rope_dim,
@@ -145,5 +165,5 @@ def decode_latent(
     return latent.reshape(tokens, latent_dim), rope.reshape(tokens, rope_dim)
 
 
-__all__ = ["HEADER_BYTES", "check_latent_dims", "decode_latent", "encode_latent",
-           "latent_header", "latent_nbytes"]
+__all__ = ["HEADER_BYTES", "check_latent_chunk", "check_latent_dims", "decode_latent",
+           "encode_latent", "latent_header", "latent_nbytes"]

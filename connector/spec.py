@@ -75,11 +75,6 @@ class EngineSetup:
         ktc = vllm_config.kv_transfer_config
         store_scope = None
         if config.uses_store:
-            if geometry.has_latent:
-                raise ConnectorConfigError(
-                    "transport 'store' does not serve MLA models yet (DeepSeek V2/V3, Kimi): "
-                    "their latent chunks move over transport 'nixl'"
-                )
             if geometry.state_groups:
                 raise ConnectorConfigError(
                     "transport 'store' does not serve hybrid models (Mamba / linear-attention "

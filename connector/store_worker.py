@@ -116,13 +116,20 @@ class StoreWorker:
         key = 0 if token_start == 0 else 1
         sizes = self._layer_sizes.get(key)
         if sizes is None:
-            sizes = [
-                int(self.codec.encoded_nbytes(layer, self.scope.chunk_tokens, spec.num_kv_heads,
-                                              token_start))
-                for layer, spec in enumerate(self.geometry.layers)
-            ]
+            sizes = [self._layer_chunk_nbytes(layer, token_start)
+                     for layer in range(self.geometry.num_layers)]
             self._layer_sizes[key] = sizes
         return sizes
+
+    def _layer_chunk_nbytes(self, layer: int, token_start: int) -> int:
+        """A K/V layer's chunk, or an MLA layer's latent chunk (the same rows on every rank)."""
+        spec, tokens = self.geometry.layers[layer], self.scope.chunk_tokens
+        if spec.is_latent:
+            from turbowire.codec.latent import latent_nbytes
+
+            return latent_nbytes(self.codec, layer, tokens, spec.latent_dim, spec.rope_dim,
+                                 token_start)
+        return int(self.codec.encoded_nbytes(layer, tokens, spec.num_kv_heads, token_start))
 
     def max_blob_nbytes(self) -> int:
         """The largest blob this worker stores or loads (the first chunk of a sequence, which
@@ -295,6 +302,7 @@ class StoreWorker:
         """Check and decode one stored chunk of ``load`` (``blob``: what the store returned for
         it); the tokens written (all but those vLLM holds). A blob that fails a check raises a
         ``TurboWireError`` before any layer is written."""
+        from turbowire.codec.latent import check_latent_chunk
         from turbowire.codec.wire import parse_header as parse_chunk_header
         from turbowire.codec.wire import verify_body
 
@@ -309,6 +317,12 @@ class StoreWorker:
         layer_chunks = list(zip(offsets, header.layer_nbytes, strict=True))
         for layer, (off, size) in enumerate(layer_chunks):
             data = source[off: off + size]  # every layer verified before any is written
+            spec = self.geometry.layers[layer]
+            if spec.is_latent:
+                check_latent_chunk(self.codec, layer, data, spec.latent_dim, spec.rope_dim,
+                                   expected_tag=tag, expected_tokens=self.scope.chunk_tokens,
+                                   expected_offset=chunk.token_start)
+                continue
             chunk_header = parse_chunk_header(data)
             self.codec.check_compatible(chunk_header, layer, tag, self.scope.chunk_tokens,
                                         chunk.token_start)

@@ -8,12 +8,14 @@ prompt-tokens-by-source metric counts them as external, the connector's load rep
 for a chunk are the codec's size (dense / the preset's ratio). Also: a prefix that vLLM's own
 prefix cache holds up to a point that is not chunk-aligned, prompts shorter than one chunk, the
 opt-out, a corrupted chunk (a miss, recomputed, never decoded) and Redis killed and restarted
-during traffic (misses, no client errors, recovery).
+during traffic (misses, no client errors, recovery). And an MLA model's latent rows through the
+store (``raw``: B's greedy output equals A's; the bytes held are the latent chunks').
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,8 +36,8 @@ NAMESPACE = "e2e"
 
 
 class StorePair:
-    def __init__(self, preset: str, a, b, redis: RedisServer) -> None:
-        self.preset, self.a, self.b, self.redis = preset, a, b, redis
+    def __init__(self, preset: str, a, b, redis: RedisServer, model: Path) -> None:
+        self.preset, self.a, self.b, self.redis, self.model = preset, a, b, redis, model
         self._scope = None
 
     def complete(self, url: str, prompt, max_tokens: int = 12, params: dict | None = None) -> dict:
@@ -53,7 +55,7 @@ class StorePair:
     def scope(self):
         """The scope the engines registered (with their weights fingerprint), read once."""
         if self._scope is None:
-            self._scope = registered_scope(self.redis.url, self.preset)
+            self._scope = registered_scope(self.redis.url, self.preset, self.model)
         return self._scope
 
     def wait_stored(self, prompt: list[int], chunks: int, timeout: float = 20.0) -> int:
@@ -85,7 +87,7 @@ class StorePair:
             client.close()
 
 
-def registered_scope(redis_url: str, preset: str):
+def registered_scope(redis_url: str, preset: str, model: Path):
     """The store scope the engines registered (all agree): the expected model, preset, chunk
     size and TP, plus the weights fingerprint the engine computed from the model's files."""
     from turbowire.store.directory import Directory
@@ -104,10 +106,8 @@ def registered_scope(redis_url: str, preset: str):
     expect = StoreScope(NAMESPACE, model_slug(f"{MODEL_NAME}.bfloat16"), preset, 1, CHUNK, 1,
                         weights=scope.weights)
     assert scope == expect and len(scope.weights) == 16
-    from turbowire.models import ensure_tiny_llama
-
     settings = {"quantization": None, "hf_overrides": {}, "load_format": "auto"}
-    assert scope.weights == weights_fingerprint(str(ensure_tiny_llama()), settings=settings), \
+    assert scope.weights == weights_fingerprint(str(model), settings=settings), \
         "the engines' fingerprint is the tiny model's"
     return scope
 
@@ -143,7 +143,7 @@ def _start(tiny_model, preset: str, log_dir, redis: RedisServer):
                                               kv_transfer_config=cfg, **common), log_dir))
         a.wait_healthy(900)
         b.wait_healthy(900)
-        return group, StorePair(preset, a, b, redis)
+        return group, StorePair(preset, a, b, redis, Path(tiny_model))
     except BaseException:
         group.stop()
         raise
@@ -330,3 +330,43 @@ def test_proxy_routes_stored_prompts_past_prefill(pair, tmp_path):
     finally:
         directory.close()
         proxy.stop()
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4"])
+def test_an_mla_model_goes_through_the_store(preset, engine_slot, tmp_path_factory):
+    """The DeepSeek-V2-style MLA model (4 layers, a 512 latent + 64 RoPE row; vLLM CPU's MLA
+    backend picks its own 16-token blocks): A stores each full chunk as every layer's latent
+    chunk, B loads them; with ``raw`` B's greedy output equals A's."""
+    from turbowire.codec import Codec
+    from turbowire.codec.latent import latent_nbytes
+    from turbowire.models import ensure_tiny_model
+    from turbowire.store.blob import header_nbytes
+
+    layers, model = 4, ensure_tiny_model("deepseek-v2")
+    redis = RedisServer()
+    redis.start()
+    try:
+        group, pair = _start(model, preset, tmp_path_factory.mktemp(f"logs-store-mla-{preset}"),
+                             redis)
+        try:
+            prompt = prompt_ids(9700, 2 * CHUNK + 100)
+            ref = pair.complete(pair.a.url, prompt)
+            assert pair.wait_stored(prompt, 2) == 2, "A must have stored both full chunks"
+            out = pair.complete(pair.b.url, prompt)
+            load = (out.get("kv_transfer_params") or {}).get("turbowire_load")
+            assert load is not None and load["source"] == "store" and load["failed"] is None, out
+            assert load["tokens"] == 2 * CHUNK
+            codec = Codec(preset, 128, layers)  # the 512 latent as 4 vectors of 128
+            for i, nbytes in enumerate(pair.redis_blob_bytes(prompt)):
+                chunk_bytes = sum(latent_nbytes(codec, layer, CHUNK, 512, 64, i * CHUNK)
+                                  for layer in range(layers))
+                # framing: the blob header, the tier's frame (its key name, a checksum), a length
+                assert chunk_bytes <= nbytes <= chunk_bytes + header_nbytes(layers) + 256
+            if preset == "raw":
+                assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+            else:
+                assert out["choices"][0]["text"].strip()
+        finally:
+            group.stop()
+    finally:
+        redis.stop()

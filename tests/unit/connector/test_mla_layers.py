@@ -117,12 +117,9 @@ def test_the_geometry_reads_vllms_mla_spec_and_refuses_what_it_does_not_serve():
         KVGeometry.from_kv_cache_config(kcfg, mla_rope_dim=R)
 
 
-def test_the_store_and_the_cuda_coder_refuse_an_mla_model(monkeypatch):
-    from turbowire.connector.config import ConnectorConfigError
-
+def test_the_cuda_coder_refuses_an_mla_model(monkeypatch):
+    """The host coder (the reference's latent path) serves MLA on any device; the store path
+    too (tests/unit/connector/test_store_path.py)."""
     w = worker(monkeypatch, "tq4", "w", caches(1))
     with pytest.raises(ValueError, match="MLA latents"):
         w.make_coder("cuda")
-    with pytest.raises(ConnectorConfigError, match="MLA"):
-        worker(monkeypatch, "tq4", "s", caches(1), transport="store",
-               store_url="redis://127.0.0.1:1")

@@ -22,7 +22,7 @@ from turbowire.connector.metadata import StoreChunk, StoreLoad, StoreSave
 from turbowire.connector.stats import TurboWireConnectorStats, iter_counters
 from turbowire.connector.store_scheduler import StorePlanner
 from turbowire.connector.store_worker import StoreWorker
-from turbowire.kernels import PagedKVLayout
+from turbowire.kernels import LatentPages, PagedKVLayout
 from turbowire.store.directory import DirectoryUnavailable
 from turbowire.store.keys import StoreScope, chunk_hashes
 
@@ -477,3 +477,104 @@ def test_a_save_that_never_landed_is_planned_again_later(monkeypatch):
     third = fake_request("c", tokens)
     p.lookup(third, 0)
     assert len(p.plan_saves({"c": CHUNK})) == 1
+
+
+# ---------------------------------------------------------------------------- MLA latents
+LATENT, ROPE, VECTOR = 512, 64, 128  # DeepSeek V2/V3's row; the codec's 128-wide vectors
+
+
+@dataclass
+class LatentCaches:
+    """An MLA model's CPU caches: one [blocks, block_size, latent + rope] row table per layer."""
+
+    tensors: list[torch.Tensor]
+    layouts: list[LatentPages]
+    device: torch.device = torch.device("cpu")
+
+    def dense_bytes_per_token(self) -> int:
+        return LAYERS * (LATENT + ROPE) * 2
+
+    def kv_scales(self, layer: int):
+        return None
+
+
+def latent_caches(seed: int | None) -> LatentCaches:
+    g = torch.Generator().manual_seed(seed or 0)
+    tensors = [torch.randn(NUM_BLOCKS, BS, LATENT + ROPE, generator=g).to(torch.bfloat16)
+               for _ in range(LAYERS)]
+    if seed is None:
+        tensors = [torch.zeros_like(t) for t in tensors]
+    return LatentCaches(tensors, [LatentPages.from_cache(t, LATENT, ROPE) for t in tensors])
+
+
+def latent_worker(preset: str, caches: LatentCaches, store: MemoryStore):
+    geometry = KVGeometry(tuple(LayerSpec(f"l.{i}", LATENT // VECTOR, VECTOR, rope_dim=ROPE)
+                                for i in range(LAYERS)), BS, "bfloat16")
+    assert all(layer.is_latent for layer in geometry.layers)
+    return StoreWorker(make_config(preset=preset), geometry, Codec(preset, VECTOR, LAYERS),
+                       make_scope(preset), 0, caches, TurboWireConnectorStats(), store=store,
+                       directory=FakeDirectory())
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4"])
+def test_mla_latent_rows_go_through_the_store(preset):
+    """Each stored chunk holds every layer's latent chunk (the latent coded with the preset's
+    key stream, the RoPE part raw); a load writes exactly what the reference decodes."""
+    from turbowire.codec.latent import decode_latent, encode_latent, latent_nbytes
+
+    src, store = latent_caches(1), MemoryStore()
+    saver = latent_worker(preset, src, store)
+    src_blocks = list(range(3 * CHUNK // BS))
+    chunks = [StoreChunk(i * CHUNK, h)
+              for i, h in enumerate(chunk_hashes(list(range(3 * CHUNK)), CHUNK))]
+    saver.save([StoreSave("p", src_blocks, chunks)])
+    codec = Codec(preset, VECTOR, LAYERS)
+    for c in chunks:  # the blob's layers are latent chunks of the codec's size
+        assert saver.layer_nbytes(c.token_start) == [
+            latent_nbytes(codec, layer, CHUNK, LATENT, ROPE, c.token_start)
+            for layer in range(LAYERS)]
+
+    dst = latent_caches(None)
+    dst_blocks = list(range(20, 20 + 3 * CHUNK // BS))
+    loader = latent_worker(preset, dst, store)
+    loader.start_loads([StoreLoad("d", dst_blocks, 0, chunks)])
+    wait_finished(loader, "d")
+    assert loader.take_invalid_blocks() == set()
+    reports, _ = loader.take_reports()
+    assert reports["d"].tokens == 3 * CHUNK and reports["d"].failed is None
+    for layer in range(LAYERS):
+        pages = src.layouts[layer]
+        for c in chunks:
+            latent, rope = pages.gather(src.tensors[layer], src_blocks, c.token_start, CHUNK)
+            got = pages.gather(dst.tensors[layer], dst_blocks, c.token_start, CHUNK)
+            want = decode_latent(codec, layer, encode_latent(codec, layer, latent, rope,
+                                                             token_offset=c.token_start),
+                                 LATENT, ROPE)
+            assert torch.equal(got[0], want[0].to(torch.bfloat16))
+            assert torch.equal(got[1], rope)  # the RoPE part crosses raw
+            if preset == "raw":
+                assert torch.equal(got[0], latent)
+
+
+def test_a_damaged_latent_chunk_is_refused_before_anything_is_written():
+    src, store = latent_caches(1), MemoryStore()
+    chunks = [StoreChunk(i * CHUNK, h)
+              for i, h in enumerate(chunk_hashes(list(range(2 * CHUNK)), CHUNK))]
+    latent_worker("tq4", src, store).save([StoreSave("p", list(range(2 * CHUNK // BS)),
+                                                     chunks)])
+    key = (chunks[1].chunk_hash, 0)
+    blob = bytearray(store.blobs[key])
+    blob[-20] ^= 1  # the last layer's RoPE rows: only its body checksum can tell
+    store.blobs[key] = bytes(blob)
+    dst = latent_caches(None)
+    dst_blocks = list(range(10, 10 + 2 * CHUNK // BS))
+    loader = latent_worker("tq4", dst, store)
+    loader.start_loads([StoreLoad("d", dst_blocks, 0, chunks)])
+    wait_finished(loader, "d")
+    per_chunk = CHUNK // BS
+    assert loader.take_invalid_blocks() == set(dst_blocks[per_chunk:])
+    reports, _ = loader.take_reports()
+    assert reports["d"].tokens == CHUNK and "checksum" in str(reports["d"].failed)
+    for layer in range(LAYERS):  # no layer of the bad chunk written, the good one all
+        assert not dst.tensors[layer][dst_blocks[per_chunk:]].any()
+        assert dst.tensors[layer][dst_blocks[:per_chunk]].any()
