@@ -141,6 +141,9 @@ def tp_refusal(ours: CompatibilityRecord, theirs: CompatibilityRecord) -> str | 
         heads = record.model_kv_heads
         if not heads:
             return "one side's turbowire predates TP-size mapping; start both at the same TP size"
+        if len(heads) != len(record.kv_heads):  # a peer's record: never indexed past its end
+            return (f"a record lists the model's heads of {len(heads)} layers and a rank's "
+                    f"heads of {len(record.kv_heads)}")
         if record.num_draft_layers:
             return ("a drafter's KV moves with the target's, which is supported at equal TP "
                     "sizes only")

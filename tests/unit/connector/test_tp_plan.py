@@ -123,6 +123,9 @@ def test_a_layer_holding_another_share_of_heads_is_refused_as_such():
     odd = dataclasses.replace(record(2), kv_heads=(2, 3), model_kv_heads=(4, 0))
     why = tp_refusal(ours, odd)
     assert "layer 1 holds 3 KV heads per rank" in why and "Mamba" not in why
+    short = dataclasses.replace(odd, kv_heads=(2,))  # a peer's malformed record
+    assert "of 2 layers and a rank's heads of 1" in tp_refusal(ours, short)
+    assert ours.mismatch(short) is not None
 
 
 def test_mla_records_exchange_at_any_tp_size():
