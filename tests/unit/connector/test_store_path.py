@@ -578,3 +578,27 @@ def test_a_damaged_latent_chunk_is_refused_before_anything_is_written():
     for layer in range(LAYERS):  # no layer of the bad chunk written, the good one all
         assert not dst.tensors[layer][dst_blocks[per_chunk:]].any()
         assert dst.tensors[layer][dst_blocks[:per_chunk]].any()
+
+
+def test_a_latent_load_after_a_prefix_hit_writes_only_the_tail():
+    src, store = latent_caches(1), MemoryStore()
+    src_blocks = list(range(2 * CHUNK // BS))
+    chunks = [StoreChunk(i * CHUNK, h)
+              for i, h in enumerate(chunk_hashes(list(range(2 * CHUNK)), CHUNK))]
+    latent_worker("raw", src, store).save([StoreSave("p", src_blocks, chunks)])
+    dst = latent_caches(7)  # "stale" rows everywhere
+    before = [t.clone() for t in dst.tensors]
+    dst_blocks = list(range(30, 30 + 2 * CHUNK // BS))
+    first = 3 * BS  # vLLM holds blocks 0..2 of the request, inside the first chunk
+    loader = latent_worker("raw", dst, store)
+    loader.start_loads([StoreLoad("d", dst_blocks, first, chunks)])
+    wait_finished(loader, "d")
+    reports, _ = loader.take_reports()
+    assert reports["d"].tokens == 2 * CHUNK - first and reports["d"].failed is None
+    for layer in range(LAYERS):
+        held = dst_blocks[:3]
+        assert torch.equal(dst.tensors[layer][held], before[layer][held]), "cached blocks kept"
+        pages = src.layouts[layer]
+        want = pages.gather(src.tensors[layer], src_blocks, first, 2 * CHUNK - first)
+        got = pages.gather(dst.tensors[layer], dst_blocks, first, 2 * CHUNK - first)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
