@@ -1662,9 +1662,13 @@ def store_decode_chunk(preset: str, chunk_index: int, skip: int, data: st.DataOb
     caches = [GuardedCache.make("cpu_packed", "bfloat16", layer) for layer in range(NUM_LAYERS)]
     sizes = {ts: [codec.encoded_nbytes(layer, STORE_CHUNK, HEADS, ts)
                   for layer in range(NUM_LAYERS)] for ts in (0, token_start)}
+    from turbowire.connector.geometry import KVGeometry, LayerSpec
+
+    geometry = KVGeometry(tuple(LayerSpec(f"l.{i}", HEADS, HEAD_DIM) for i in range(NUM_LAYERS)),
+                          BLOCK, "bfloat16")
     stub = types.SimpleNamespace(
         codec=codec, rank=0, scope=StoreScope("ns", "m", preset, 1, STORE_CHUNK, 1),
-        layer_nbytes=lambda ts: sizes[ts],
+        layer_nbytes=lambda ts: sizes[ts], geometry=geometry,
         caches=types.SimpleNamespace(device=torch.device("cpu"),
                                      tensors=[c.cache for c in caches],
                                      layouts=[c.layout for c in caches],
