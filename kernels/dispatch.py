@@ -13,8 +13,9 @@ Implementations, chosen per call by ``impl`` ("auto" unless a test or benchmark 
   applies (``impl="cpu"`` requires it).
 * the reference codec (``turbowire.codec``) with vectorised torch gather/scatter elsewhere
   (``impl="reference"``), and for an MLA layer's cache (a ``LatentPages`` layout: latent
-  chunks, ``kernels/latent.py``) on any device, and for items with a head window
-  (``DecodeItem.heads``: another TP size's chunks, ``kernels/heads.py``).
+  chunks, ``kernels/latent.py``) on any device, for items with a head window
+  (``DecodeItem.heads``: another TP size's chunks, ``kernels/heads.py``) and for items that
+  encode a run of heads (``EncodeItem.head_count``: a chunk per decode rank's heads).
 
 All of them write the same bytes and raise the same exceptions. The items and their range check
 live in ``kernels/items.py``; the implementations import them from there, never from here.
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from turbowire.codec import Codec
+from turbowire.codec.errors import GeometryError
 from turbowire.kernels import cpu_binding, fp8_cache, triton_launch
 from turbowire.kernels.fp8_cache import KVScales
 from turbowire.kernels.heads import decode_heads_into
@@ -89,6 +91,8 @@ def encode_into(
     if isinstance(layout, LatentPages):
         return encode_latent_into(codec, layer, kv_cache, layout, items, staging)
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
+    if any(item.head_count for item in items):  # runs of heads: the reference (below)
+        impl = "reference"
     if _use_triton(impl, codec, kv_cache):
         return triton_launch.encode_into(
             codec, layer, kv_cache, layout, items, staging, kernel_config, kv_scales=scales
@@ -98,6 +102,12 @@ def encode_into(
     written = []
     for item in items:
         k, v = layout.gather(kv_cache, item.block_ids, item.token_start, item.num_tokens)
+        if item.head_count:
+            if item.head_start + item.head_count > k.shape[1]:
+                raise GeometryError(f"heads {item.head_start}+{item.head_count} outside the "
+                                    f"cache's {k.shape[1]}")
+            run = slice(item.head_start, item.head_start + item.head_count)
+            k, v = k[:, run], v[:, run]
         if scales is not None:
             ks, vs = scales.as_fp32()
             k, v = fp8_cache.dequantize(k, ks), fp8_cache.dequantize(v, vs)
@@ -171,9 +181,10 @@ def _per_job_scales(n_jobs: int, kv_scales: Sequence[Any] | None) -> list[Any]:
 
 def _per_layer_only(jobs: Sequence[Any]) -> bool:
     """MLA layers take the per-layer latent path (no batched Triton launch serves them), and so
-    do head windows (``decode_heads_into``)."""
+    do head windows (``decode_heads_into``) and runs of heads (``EncodeItem.head_count``)."""
     return any(isinstance(job[2], LatentPages)
-               or any(getattr(item, "heads", None) is not None for item in job[3])
+               or any(getattr(item, "heads", None) is not None
+                      or getattr(item, "head_count", 0) for item in job[3])
                for job in jobs)
 
 

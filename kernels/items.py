@@ -18,13 +18,22 @@ from turbowire.kernels.paged import BlockIndexError
 
 @dataclass(frozen=True)
 class EncodeItem:
-    """Encode tokens [token_start, token_start + num_tokens) of a request as one chunk."""
+    """Encode tokens [token_start, token_start + num_tokens) of a request as one chunk (of the
+    cache's heads ``[head_start, head_start + head_count)`` only when ``head_count`` is set: a
+    prefill rank staging a chunk per decode rank's heads, ``connector/tp_plan.py``)."""
 
     block_ids: Sequence[int] | torch.Tensor
     token_start: int
     num_tokens: int
     out_offset: int
     tag: int = 0
+    head_start: int = 0
+    head_count: int = 0  # 0: every head of the cache
+
+    def __post_init__(self) -> None:
+        if self.head_start < 0 or self.head_count < 0 or (self.head_start and
+                                                          not self.head_count):
+            raise ValueError(f"bad head run {self.head_start}+{self.head_count}")
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,33 @@ def test_a_chunk_of_other_heads_is_refused_and_nothing_written():
 def test_a_window_must_lie_inside_the_chunk():
     with pytest.raises(ValueError, match="bad head window"):
         HeadWindow(2, 1, 2, 0)
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4", "k8v4", "tq3"])
+@pytest.mark.parametrize("layout_kind", ["gpu", "cpu"])
+def test_a_run_of_heads_encodes_as_those_heads_alone(preset, layout_kind):
+    """``EncodeItem.head_count``: a prefill rank staging one chunk per decode rank's heads. Each
+    run is the chunk of those heads alone (``codec.heads.split_heads`` of the whole chunk), on
+    every implementation's behalf ("auto" takes the reference for runs)."""
+    from turbowire.codec.heads import split_heads
+
+    codec = Codec(preset, D, 2)
+    cache = gpu_style(4, seed=5) if layout_kind == "gpu" else \
+        torch.randn(NB, 4, BS, 2 * D, generator=torch.Generator().manual_seed(5)).bfloat16()
+    layout = PagedKVLayout.from_cache(cache)
+    blocks, tokens = [3, 1], BS + 9
+    whole, offs = staged(codec, cache, blocks, tokens)
+    for i in range(len(blocks)):
+        n, start = min(BS, tokens - i * BS), i * BS
+        size = codec.encoded_nbytes(0, n, 2, start)
+        buf = torch.zeros(2 * size, dtype=torch.uint8)
+        written = encode_into(codec, 0, cache, layout,
+                              [EncodeItem(blocks, start, n, g * size, tag=7 + i, head_start=2 * g,
+                                          head_count=2) for g in range(2)], buf)
+        assert written == [size, size]
+        end = offs[i + 1] if i + 1 < len(offs) else whole.numel()
+        want = split_heads(codec, 0, whole[offs[i]:end], 2)
+        assert torch.equal(buf[:size], want[0]) and torch.equal(buf[size:], want[1])
+    with pytest.raises(GeometryError, match="outside"):
+        encode_into(codec, 0, cache, layout, [EncodeItem(blocks, 0, BS, 0, head_start=3,
+                                                         head_count=2)], buf)
