@@ -47,6 +47,17 @@ def chunk_nbytes(codec: Any, geometry: KVGeometry, layer: int, num_tokens: int,
                                     block_index * geometry.block_size))
 
 
+def staged_nbytes(codec: Any, geometry: KVGeometry, layer: int, num_tokens: int,
+                  block_index: int, head_groups: int = 1) -> int:
+    """Bytes a prefill rank stages for that chunk: a K/V layer's cut into ``head_groups``
+    chunks of consecutive heads (``decode_tp_size``) takes that many of the smaller chunk."""
+    spec = geometry.layers[layer]
+    if head_groups == 1 or spec.is_state or spec.is_latent:
+        return chunk_nbytes(codec, geometry, layer, num_tokens, block_index)
+    return head_groups * chunk_nbytes(codec, geometry, layer, num_tokens, block_index,
+                                      spec.num_kv_heads // head_groups)
+
+
 def codec_format_version() -> int:
     import turbowire.codec as codec
 

@@ -74,6 +74,7 @@ class TurboWireConfig:
     claim_timeout_seconds: float = _default("claim_timeout_seconds")
     lease_max_seconds: float = _default("lease_max_seconds")
     staging_request_share: float = _default("staging_request_share")
+    decode_tp_size: int = _default("decode_tp_size")
     side_channel_host: str = _default("side_channel_host")
     side_channel_bind: str = _default("side_channel_bind")
     side_channel_port: int = _default("side_channel_port")

@@ -166,6 +166,16 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
         default=1.0,
     ),
     ConfigKey(
+        "decode_tp_size",
+        Int(0, MAX_TP_SIZE, " (0: this engine's TP size)"),
+        "On a prefill engine: the TP size of the decode engines that read it, when larger than "
+        "this engine's. Each staged chunk is then cut into one chunk per decode rank's KV heads, "
+        "so a decode rank reads only its heads' bytes (without it, each decode rank reads the "
+        "prefill rank's whole chunks: the wire carries D TP / P TP times the KV). Decode "
+        "engines of any TP size still read it. `0`: this engine's TP size (chunks not cut).",
+        default=0,
+    ),
+    ConfigKey(
         "side_channel_host",
         Text(
             "a host name or IP address",

@@ -309,9 +309,13 @@ class StagingLayout:
     slot_bytes: int
     num_slots: int
     block_size: int
+    #: a K/V layer's chunk is staged as this many chunks of consecutive heads, back to back
+    #: (``decode_tp_size``; ``tp_plan.staged_head_groups``); MLA and state layers: whole
+    head_groups: int = 1
 
     @classmethod
-    def build(cls, geometry: KVGeometry, sizer: ChunkSizer, pool_bytes: int) -> StagingLayout:
+    def build(cls, geometry: KVGeometry, sizer: ChunkSizer, pool_bytes: int,
+              head_groups: int = 1) -> StagingLayout:
         offsets: list[int] = []
         sizes: list[int] = []
         cursor = 0
@@ -329,7 +333,8 @@ class StagingLayout:
                 f"staging pool of {pool_bytes} bytes cannot hold one slot of {slot_bytes} bytes "
                 f"(one block x {geometry.num_layers} layers); raise staging_bytes/recv_bytes"
             )
-        return cls(tuple(offsets), tuple(sizes), slot_bytes, num_slots, geometry.block_size)
+        return cls(tuple(offsets), tuple(sizes), slot_bytes, num_slots, geometry.block_size,
+                   head_groups)
 
     @property
     def pool_bytes(self) -> int:

@@ -53,16 +53,23 @@ from turbowire.connector.metadata import LoadReport, LoadRequest
 from turbowire.connector.read_plan import (
     ReadRows,
     chunk_sizes,
+    cut_chunk_sizes,
     held_chunks,
     layer_groups,
     read_rows,
 )
 from turbowire.connector.staging import ByteRanges
 from turbowire.connector.stats import P2P_LABEL, TurboWireConnectorStats
-from turbowire.connector.tp_plan import HeadSource, load_plan
+from turbowire.connector.tp_plan import (
+    ChunkCut,
+    HeadSource,
+    TensorParallelError,
+    chunk_cut,
+    load_plan,
+)
 from turbowire.connector.transports.base import Transfer, Transport
 from turbowire.errors import failure_reason
-from turbowire.kernels import NO_BLOCK, HeadWindow
+from turbowire.kernels import NO_BLOCK
 
 if TYPE_CHECKING:
     from turbowire.connector.compat import CompatibilityRecord
@@ -109,19 +116,14 @@ class LoadJob:
     def peer_key(self) -> PeerKey:
         return (*self.load.peer.key, self.source.prefill_rank)
 
-    @property
-    def window(self) -> HeadWindow | None:
-        """The chunk heads this rank keeps, and where (None: all of them, in place)."""
-        src = self.source
-        if src.whole:
-            return None
-        return HeadWindow(src.src_heads, src.src_start, src.count, src.dst_start)
+    cut: ChunkCut | None = None  # what of each K/V chunk this rank reads (None: all, in place)
 
 
 DecodeGroup = Callable[..., PendingDecode]
-"""decode(load, layers, recv_offset, chunks, heads=None): verify and decode the chunks of
-``layers`` (landed at ``recv_offset + chunks[(block, layer)]``) into the paged cache, only the
-``heads`` window of each when one is given; the handle says when that ran
+"""decode(load, layers, recv_offset, chunks, cut=None): verify and decode the chunks of
+``layers`` (landed at ``recv_offset + chunks[(block, layer)]``) into the paged cache, through
+the ``cut`` (``tp_plan.ChunkCut``: the staged chunks of runs of heads a K/V chunk's bytes hold
+and the window of each) when one is given; the handle says when that ran
 (``CacheCoder.decode``). The load is finished once every handle ran, none refused."""
 
 PrepareDecode = Callable[[LoadRequest, int, ChunkOffsets], None]
@@ -362,9 +364,15 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
                 raise LoadFailed("bounds", f"block with {block.num_tokens} tokens")
         n_layers = self.geometry.num_layers
         groups = layer_groups(n_layers, self.config.decode_pipeline_groups)
-        heads = job.src_heads
-
-        sizes = chunk_sizes(load.blocks, n_layers, self._sizer(heads))
+        job.cut = self._cut(job.source, staging.head_groups)
+        skip = None  # bytes of the staged runs of heads before this rank's, per chunk
+        if job.cut is None:
+            sizes = chunk_sizes(load.blocks, n_layers, self._sizer(job.src_heads))
+        else:
+            sizes, skip = cut_chunk_sizes(
+                load.blocks, self._sizer(job.src_heads), self._part_sizer(job.cut),
+                [not (layer.is_state or layer.is_latent) for layer in self.geometry.layers],
+                job.cut.first, job.cut.parts)
         if load.group_tables:  # several KV cache groups: a group's freed blocks do not move
             if len(load.group_tables) != self.geometry.num_groups:
                 raise LoadFailed("bounds", f"{len(load.group_tables)} block tables for "
@@ -390,15 +398,34 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         job.groups = groups
         job.rows = read_rows(offsets, slots, self._recv_base + start, self._recv_device,
                              staging.base_addr, staging.slot_bytes, staging.layer_offsets,
-                             staging.device_id)
+                             staging.device_id, skip)
         job.peer_agent = peer.agent
         job.posted = time.perf_counter()  # UCX may finish small READs inside the post call
         job.wait_seconds = time.monotonic() - job.created
         with probe.mark("loader.post_reads"):
             self._post_more(job)
-        if self.prepare is not None and job.window is None:  # made ready while bytes move
+        if self.prepare is not None and job.cut is None:  # made ready while bytes move
             self.prepare(load, start, offsets)
         return True
+
+    def _cut(self, source: HeadSource, head_groups: int) -> ChunkCut | None:
+        """What this rank reads of each K/V chunk of ``source``'s prefill rank, which stages it
+        as ``head_groups`` runs of heads (checked: a peer's number)."""
+        try:
+            return chunk_cut(source, head_groups, self.geometry.max_kv_heads)
+        except TensorParallelError as exc:
+            raise LoadFailed("incompatible", f"peer stages {head_groups} runs of heads per "
+                                             f"chunk: {exc}") from exc
+
+    def _part_sizer(self, cut: ChunkCut) -> Callable[[int, int, int], int]:
+        """Exact bytes of one staged run of ``cut.sub_heads`` heads (0 for MLA / state layers,
+        which move whole)."""
+        def size(layer: int, tokens: int, block_index: int) -> int:
+            spec = self.geometry.layers[layer]
+            if spec.is_state or spec.is_latent:
+                return 0
+            return self._chunk_nbytes(layer, tokens, block_index, cut.sub_heads)
+        return size
 
     def _sizer(self, heads: int | None) -> Callable[[int, int, int], int]:
         """Exact chunk bytes of a prefill rank whose chunks hold ``heads`` (None: this rank's)."""
@@ -414,8 +441,7 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         t0 = time.perf_counter()
         assert job.chunk_offsets is not None
         with probe.mark("loader.decode"):
-            window = job.window
-            extra = {"heads": window} if window is not None else {}
+            extra = {"cut": job.cut} if job.cut is not None else {}
             job.pending.append(self.decode(job.load, layers, job.recv_offset, job.chunk_offsets,
                                            **extra))
         return time.perf_counter() - t0

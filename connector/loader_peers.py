@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from turbowire.connector.loader import LoadJob
     from turbowire.connector.sidechannel.client import PeerInfo
     from turbowire.connector.stats import TurboWireConnectorStats
+    from turbowire.connector.tp_plan import ChunkCut, HeadSource
     from turbowire.connector.transports.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class PeerLinks:
 
     if TYPE_CHECKING:  # the loader's: exact chunk bytes of a prefill rank's chunks
         def _sizer(self, heads: int | None) -> Callable[[int, int, int], int]: ...
+        def _cut(self, source: HeadSource, head_groups: int) -> ChunkCut | None: ...
+        def _part_sizer(self, cut: ChunkCut) -> Callable[[int, int, int], int]: ...
 
     def _submit(self, peer: PeerAddress, fn: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Future:
@@ -133,7 +136,7 @@ class PeerLinks:
             if not self._may_retry(job, exc, "handshake"):
                 raise
             return None  # the next call sends a new one
-        self._check_peer_geometry(info, peer, job.src_heads)
+        self._check_peer_geometry(info, peer, job)
         agent = self._transport.add_peer(info.staging.agent_metadata)  # main thread only
         self._stale_agents.discard(agent)  # the same agent answered again: still in use
         elapsed = time.perf_counter() - started
@@ -234,8 +237,7 @@ class PeerLinks:
         client = self._clients.get(peer.host, peer.port)
         return client.handshake(self.record, self.engine_id, prefill_rank)
 
-    def _check_peer_geometry(self, info: PeerInfo, peer: PeerAddress,
-                             src_heads: int | None) -> None:
+    def _check_peer_geometry(self, info: PeerInfo, peer: PeerAddress, job: LoadJob) -> None:
         from turbowire.connector.compat import IncompatiblePeerError
 
         if info.engine_id != peer.engine_id:
@@ -251,8 +253,12 @@ class PeerLinks:
             )
         if len(staging.layer_offsets) != self.geometry.num_layers:
             raise LoadFailed("incompatible", "peer staging has a different layer count")
+        cut = self._cut(job.source, staging.head_groups)  # refuses a bad number of runs
+        part = self._part_sizer(cut) if cut is not None else None
         for layer, off in enumerate(staging.layer_offsets):
-            full = self._sizer(src_heads)(layer, self.geometry.block_size, 0)
+            full = self._sizer(job.src_heads)(layer, self.geometry.block_size, 0)
+            if part is not None and part(layer, self.geometry.block_size, 0):  # runs of heads
+                full = cut.groups * part(layer, self.geometry.block_size, 0)
             if off + full > staging.slot_bytes:
                 raise LoadFailed("bounds", f"peer slot too small for layer {layer}")
 

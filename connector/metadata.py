@@ -222,3 +222,4 @@ class TurboWireHandshakeMetadata(KVConnectorHandshakeMetadata):
     layer_offsets: list[int]
     device_id: int
     mem_type: str
+    head_groups: int = 1

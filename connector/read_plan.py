@@ -48,6 +48,19 @@ def chunk_sizes(blocks: Sequence[LoadBlock], num_layers: int,
     return sizes
 
 
+def cut_chunk_sizes(blocks: Sequence[LoadBlock], whole: Callable[[int, int, int], int],
+                    part: Callable[[int, int, int], int], cut_layers: Sequence[bool],
+                    first: int, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes read of every chunk and bytes skipped at its start, [layers, blocks], from a
+    prefill rank that stages each K/V chunk (``cut_layers``) as runs of heads of ``part`` bytes
+    each: this rank reads ``parts`` runs from the ``first``; other layers' chunks whole."""
+    n_layers = len(cut_layers)
+    runs = chunk_sizes(blocks, n_layers, part)
+    full = chunk_sizes(blocks, n_layers, whole)
+    cut = np.asarray(cut_layers, dtype=bool)[:, None]
+    return np.where(cut, parts * runs, full), np.where(cut, first * runs, 0)
+
+
 def held_chunks(blocks: Sequence[LoadBlock], tables: Sequence[Sequence[int]],
                 layer_group: Sequence[int]) -> np.ndarray:
     """Which chunks a load needs, [layers, blocks]: with several KV cache groups a layer's
@@ -79,15 +92,19 @@ class ReadRows:
 
 def read_rows(offsets: ChunkOffsets, slots: Sequence[int], local_base: int, local_device: int,
               remote_base: int, slot_bytes: int, layer_offsets: Sequence[int],
-              remote_device: int) -> ReadRows:
+              remote_device: int, skip: np.ndarray | None = None) -> ReadRows:
     """The descriptor rows of a load whose chunks land at ``local_base + offsets`` and are read
     from the peer's staging slots ``slots`` (``remote_base + slot * slot_bytes + layer
-    offset``). A chunk of 0 bytes (one the load does not need) gets no row."""
+    offset``, plus ``skip[layer, block]`` bytes into the chunk: ``cut_chunk_sizes``). A chunk
+    of 0 bytes (one the load does not need) gets no row."""
     flat = offsets.sizes.reshape(-1)
     n = offsets.sizes.shape[1]
     slot_arr = np.array(slots, dtype=np.int64)
     remote_addr = (remote_base + slot_arr[None, :] * slot_bytes
-                   + np.array(layer_offsets, dtype=np.int64)[:, None]).reshape(-1)
+                   + np.array(layer_offsets, dtype=np.int64)[:, None])
+    if skip is not None:
+        remote_addr = remote_addr + skip
+    remote_addr = remote_addr.reshape(-1)
     local_addr = local_base + offsets.offsets.reshape(-1)
     keep = flat > 0
     before = np.concatenate([[0], np.cumsum(keep)])  # rows kept before each chunk

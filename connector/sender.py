@@ -333,6 +333,7 @@ class Sender:
                 layer_offsets=tuple(meta.layer_offsets),
                 device_id=meta.device_id,
                 mem_type=meta.mem_type,
+                head_groups=meta.head_groups,
             )
             if meta.slot_bytes != self.layout.slot_bytes or meta.num_slots != self.layout.num_slots:
                 raise RuntimeError(

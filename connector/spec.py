@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from turbowire.codec import Codec
-from turbowire.connector.codecs import chunk_nbytes, codec_format_version, make_codec
+from turbowire.connector.codecs import codec_format_version, make_codec, staged_nbytes
 from turbowire.connector.compat import (
     CompatibilityRecord,
     has_draft_kv,
@@ -22,7 +22,7 @@ from turbowire.connector.compat import (
 from turbowire.connector.config import ConnectorConfigError, TurboWireConfig
 from turbowire.connector.geometry import KVGeometry, StagingLayout, layer_sort_key
 from turbowire.connector.speculative import SpeculativeSetup
-from turbowire.connector.tp_plan import model_kv_heads
+from turbowire.connector.tp_plan import TensorParallelError, model_kv_heads, staged_head_groups
 from turbowire.store.fingerprint import vllm_config_fingerprint
 from turbowire.store.keys import StoreScope, model_slug
 
@@ -55,10 +55,12 @@ class EngineSetup:
             kv_cache_config, draft_layer_predicate(vllm_config), mla_rope_dim(vllm_config)
         )
         codec = make_codec(config.preset, geometry)
-        layout = StagingLayout.build(
-            geometry, lambda layer, tokens, _heads: chunk_nbytes(codec, geometry, layer, tokens, 0),
-            config.staging_bytes)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        groups = head_groups(geometry, config.decode_tp_size, tp_size)
+        layout = StagingLayout.build(
+            geometry,
+            lambda layer, tokens, _heads: staged_nbytes(codec, geometry, layer, tokens, 0, groups),
+            config.staging_bytes, groups)
         # the weights' fingerprint (cached: computed once per process): other weights under the
         # same served name neither handshake nor share stored chunks
         weights = vllm_config_fingerprint(vllm_config)
@@ -110,6 +112,22 @@ class EngineSetup:
         return cls(geometry, codec, layout, record, bool(ktc.is_kv_producer) and config.uses_nixl,
                    bool(ktc.is_kv_consumer) and config.uses_nixl, tp_size, store_scope,
                    speculative, max(speculative.prefill_backoff, config.recompute_recent_tokens))
+
+
+def head_groups(geometry: KVGeometry, decode_tp: int, tp_size: int) -> int:
+    """How many chunks of consecutive heads each K/V chunk is staged as for decode engines of TP
+    ``decode_tp`` (1: whole chunks); refuses a size the heads do not split over, at start."""
+    heads = {layer.num_kv_heads for layer in geometry.layers
+             if not (layer.is_state or layer.is_latent)}
+    if decode_tp <= tp_size or not heads:
+        return 1  # MLA latents and states move whole: nothing to cut
+    if len(heads) != 1:
+        raise ConnectorConfigError(f"decode_tp_size={decode_tp}: this model's layers hold "
+                                   f"different KV head counts ({sorted(heads)}); leave it 0")
+    try:
+        return staged_head_groups(decode_tp, tp_size, heads.pop())
+    except TensorParallelError as exc:
+        raise ConnectorConfigError(f"decode_tp_size={decode_tp}: {exc}") from exc
 
 
 def mla_rope_dim(vllm_config: VllmConfig) -> int:

@@ -7,8 +7,11 @@ consecutive ranks (rank ``r`` holds head ``r // (tp/H)``). A prefill rank stages
 own heads (one chunk per layer and block, every head of that rank inside), so a decode rank:
 
 - with fewer heads than a prefill rank (D TP > P TP) reads the one prefill rank holding its
-  heads and keeps its share of each chunk (the rest of the chunk crossed the wire for nothing:
-  the wire carries P-rank chunks, not per-head ones);
+  heads and keeps its share of each chunk. A prefill engine told the decode engines' TP size
+  (``decode_tp_size``) stages each chunk cut into ``head_groups`` chunks of consecutive heads
+  (``staged_head_groups``), so a decode rank reads only the cut chunks of its heads
+  (:class:`ChunkCut`); otherwise the whole chunk crosses the wire and the rest of it is
+  dropped;
 - with more heads (D TP < P TP) reads each of the prefill ranks holding them and writes each
   one's chunk at its heads' offset;
 - with an MLA model (the latent is the same on every rank) reads one prefill rank, whole.
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from turbowire.errors import TurboWireError
+from turbowire.kernels.items import HeadWindow
 
 if TYPE_CHECKING:
     from turbowire.connector.compat import CompatibilityRecord
@@ -193,3 +197,60 @@ def load_plan(record: CompatibilityRecord, prefill_tp: int, decode_rank: int,
         return [HeadSource.same_rank(decode_rank)]
     return head_sources(record.model_kv_heads[0], prefill_tp, record.tp_size, decode_rank,
                         replicated=replicated)
+
+
+@dataclass(frozen=True)
+class ChunkCut:
+    """The part of a prefill rank's staged chunk a decode rank reads and where its heads go:
+    the chunk is staged as ``groups`` chunks of ``sub_heads`` consecutive heads each, back to
+    back and all of one size; this rank reads ``len(windows)`` of them from the ``first`` on,
+    and keeps ``windows[i]`` of the i-th one read. ``groups == 1`` with one window: the whole
+    chunk through a head window (a prefill engine that did not cut its chunks)."""
+
+    groups: int
+    sub_heads: int
+    first: int
+    windows: tuple[HeadWindow, ...]
+
+    @property
+    def parts(self) -> int:
+        return len(self.windows)
+
+
+def staged_head_groups(decode_tp: int, tp_size: int, rank_heads: int) -> int:
+    """How many chunks of consecutive heads a prefill rank of ``rank_heads`` heads (of a TP
+    ``tp_size`` engine) cuts each chunk into for decode engines of TP ``decode_tp``: one per
+    decode rank that reads it (heads replicated past one head per rank: one per head)."""
+    if decode_tp <= tp_size:
+        return 1
+    if decode_tp % tp_size:
+        raise TensorParallelError(f"decode_tp_size {decode_tp} is not a multiple of this "
+                                  f"engine's TP size {tp_size}")
+    groups = min(decode_tp // tp_size, rank_heads)
+    if rank_heads % groups:
+        raise TensorParallelError(f"this engine's {rank_heads} KV heads per rank do not split "
+                                  f"over decode_tp_size {decode_tp}")
+    return groups
+
+
+def chunk_cut(source: HeadSource, groups: int, local_heads: int) -> ChunkCut | None:
+    """What decode rank reads of a chunk ``source`` names, its prefill rank having staged it in
+    ``groups`` cut chunks (``local_heads``: this rank's heads, those of ``same_rank`` chunks).
+    None: the whole chunk, in place."""
+    src_heads = source.src_heads or local_heads
+    if groups == 1 and source.whole:
+        return None
+    if groups < 1 or src_heads % groups:
+        raise TensorParallelError(f"{src_heads} KV heads per chunk do not split into "
+                                  f"{groups} staged groups")
+    sub = src_heads // groups
+    lo = source.src_start if source.src_heads else 0
+    count = source.count if source.src_heads else local_heads
+    dst = source.dst_start if source.src_heads else 0
+    first, last = lo // sub, (lo + count - 1) // sub
+    windows = []
+    for part in range(first, last + 1):
+        a, b = max(lo, part * sub), min(lo + count, (part + 1) * sub)
+        windows.append(HeadWindow(sub, a - part * sub, b - a, dst + a - lo))
+    return ChunkCut(groups, sub, first, tuple(windows))
+

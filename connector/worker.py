@@ -157,6 +157,7 @@ class TurboWireWorker:
             layer_offsets=list(self.layout.layer_offsets),
             device_id=max(device.index or 0, 0),
             mem_type=self.mem_type,
+            head_groups=self.layout.head_groups,
         )
         # the staging gauges are the scheduler's (it owns the pool; _publish_gauges): a reading
         # from here shared their series and overwrote or was overwritten by the scheduler's

@@ -33,9 +33,10 @@ class FakeTransfer:
     ``nbytes``: given, or summed from the READ's local descriptors ``local`` when first asked,
     so that posting one costs the same whatever its size (the bench times the path, not this)."""
 
-    def __init__(self, nbytes: int | None = None, local: Any = None) -> None:
+    def __init__(self, nbytes: int | None = None, local: Any = None, remote: Any = None) -> None:
         self._nbytes = nbytes
         self.local = local
+        self.remote = remote  # the peer's (addr, len, dev) rows
         self.current = TransferState.PENDING
         self.released = False
 
@@ -80,7 +81,7 @@ class FakeTransport:
         assert peer == "prefill-agent" and len(local) == len(remote)
         if self.fail_read:
             raise TransportError("the peer vanished")
-        x = FakeTransfer(local=local)
+        x = FakeTransfer(local=local, remote=remote)
         if self.auto_land:
             x.current = TransferState.DONE
         self.reads.append(x)
@@ -114,7 +115,7 @@ class FakeClient:
         self.calls.append("handshake")
         staging = StagingInfo("prefill-agent", b"md", 1 << 20, self.layout.slot_bytes,
                               self.layout.num_slots, tuple(self.layout.layer_offsets), 0,
-                              self.mem_type)
+                              self.mem_type, head_groups=self.layout.head_groups)
         return PeerInfo(self.engine_id, self.record, staging)
 
     def _reply(self, ids):
@@ -154,14 +155,15 @@ def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_siz
                      kv_role: str = "kv_both", dtype: torch.dtype = torch.bfloat16,
                      forward_context: dict[str, Any] | None = None,
                      sliding: tuple[str, ...] = (), state: tuple[str, ...] = (),
-                     mla_rope_dim: int = 0):
+                     mla_rope_dim: int = 0, tp_size: int = 1):
     """(vllm_config, kv_cache_config) as vLLM hands them to a connector: the parts it reads.
     ``forward_context``: vLLM's attention layers by name (an fp8 cache's k/v scales).
     ``sliding``: layers in a second KV cache group of sliding-window layers (a window of two
     blocks), as vLLM's hybrid KV cache manager groups them. ``state``: Mamba / gated-delta-net
     layers in a group of their own (``STATE_SHAPES``, vLLM's mamba cache mode 'align').
     ``mla_rope_dim``: an MLA model (DeepSeek V2/V3): the attention group is an
-    ``MLAAttentionSpec`` of rows ``head_size`` wide, the last ``mla_rope_dim`` the RoPE part."""
+    ``MLAAttentionSpec`` of rows ``head_size`` wide, the last ``mla_rope_dim`` the RoPE part.
+    ``tp_size``: the engine's TP size (``num_kv_heads`` are one rank's)."""
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -176,7 +178,7 @@ def stand_in_configs(extra: dict[str, Any], layer_names: list[str], *, block_siz
                            kv_connector_extra_config=extra, engine_id=engine_id)
     vcfg = SimpleNamespace(
         kv_transfer_config=ktc,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, data_parallel_index=0),
         model_config=SimpleNamespace(
             model="/m/tiny", served_model_name="tiny", use_mla=bool(mla_rope_dim),
             hf_text_config=SimpleNamespace(qk_rope_head_dim=mla_rope_dim)),

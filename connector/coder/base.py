@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from turbowire.connector.metadata import LoadRequest
-    from turbowire.kernels import HeadWindow
+    from turbowire.connector.tp_plan import ChunkCut
 
 
 class PendingDecode(Protocol):
@@ -148,9 +148,10 @@ class CacheCoder(Protocol):
         ...
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
-               chunks: ChunkOffsets, heads: HeadWindow | None = None) -> PendingDecode:
-        """Verify and decode the landed chunks of ``layers`` into the cache (``heads``: only
-        that window of each chunk's heads, a prefill rank of another TP size)."""
+               chunks: ChunkOffsets, cut: ChunkCut | None = None) -> PendingDecode:
+        """Verify and decode the landed chunks of ``layers`` into the cache (``cut``: each
+        chunk's bytes are staged runs of heads, each kept through its head window: a prefill
+        rank of another TP size, or one that cuts its chunks per decode rank's heads)."""
         ...
 
     def encode_chunks(self, plan: BlobPlan) -> EncodedBlobs:

@@ -52,7 +52,6 @@ from turbowire.kernels import (
     BlockIndexError,
     ChunkSet,
     EncodeLayersPlan,
-    HeadWindow,
     block_kernel_config,
     resolve_scales,
 )
@@ -62,6 +61,7 @@ if TYPE_CHECKING:
     from turbowire.connector.caches import EngineCaches
     from turbowire.connector.geometry import KVGeometry, StagingLayout
     from turbowire.connector.metadata import LoadRequest
+    from turbowire.connector.tp_plan import ChunkCut
 
 MODES = ("layer", "batched")
 DEFER_LAYERS = 2  # save_kv_layer calls of a step that only note their layer (see the module)
@@ -309,13 +309,14 @@ class CudaCoder:
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
                chunks: ChunkOffsets,
-               heads: HeadWindow | None = None) -> PendingGroup | DoneDecode:
-        """A landed run through the load's prepared plan; a head window (a prefill rank of
-        another TP size) through the kernels' per-layer calls, done on return."""
-        if heads is not None:
+               cut: ChunkCut | None = None) -> PendingGroup | DoneDecode:
+        """A landed run through the load's prepared plan; a cut (a prefill rank of another TP
+        size, or one staging runs of heads) through the kernels' per-layer calls, done on
+        return."""
+        if cut is not None:
             assert self.recv is not None
             host.decode_landed(self.codec, self.geometry, self.caches, self.recv, load, layers,
-                               recv_offset, chunks, heads)
+                               recv_offset, chunks, cut)
             return DoneDecode(layers)
         return self.decoder.decode(load, layers, recv_offset, chunks)
 

@@ -24,7 +24,6 @@ from turbowire.kernels import (
     BlockIndexError,
     DecodeItem,
     EncodeItem,
-    HeadWindow,
     decode_into,
     decode_layers_into,
     decode_state_into,
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
     from turbowire.connector.caches import EngineCaches
     from turbowire.connector.geometry import KVGeometry, StagingLayout
     from turbowire.connector.metadata import LoadRequest, SaveRequest
+    from turbowire.connector.tp_plan import ChunkCut
 
 
 def wait_for_device(device: torch.device) -> None:
@@ -106,11 +106,12 @@ def decode_stored(codec: Codec, caches: Any, block_ids: Sequence[int], token_sta
 
 def decode_landed(codec: Codec, geometry: KVGeometry, caches: EngineCaches,
                   recv: torch.Tensor, load: LoadRequest, layers: range, recv_offset: int,
-                  chunks: ChunkOffsets, heads: HeadWindow | None = None) -> None:
+                  chunks: ChunkOffsets, cut: ChunkCut | None = None) -> None:
     """Verify and decode a load's landed chunks of ``layers`` (in ``recv``) into the caches
-    through the kernels' per-layer calls; ``heads``: only that window of each chunk's heads (a
-    prefill rank of another TP size). Bytes final on return. The CUDA coder takes this path for
-    head windows."""
+    through the kernels' per-layer calls; ``cut``: each K/V chunk's bytes are ``cut.parts``
+    staged runs of heads, each decoded through its head window (a prefill rank of another TP
+    size, or one that cut its chunks per decode rank's heads). Bytes final on return. The CUDA
+    coder takes this path for cuts."""
     bs = geometry.block_size
     table = load.block_ids
     for block in load.blocks:
@@ -130,14 +131,18 @@ def decode_landed(codec: Codec, geometry: KVGeometry, caches: EngineCaches,
         # a hybrid model's partial block: the slots past its tokens are zeroed, as vLLM
         # zeroes the blocks it allocates for models with Mamba layers (see zero_blocks)
         partial = []
-        window = heads if not geometry.layers[layer].is_latent else None
+        windows = cut.windows if cut is not None and not geometry.layers[layer].is_latent \
+            else (None,)
         for bi, block in enumerate(load.blocks):
             if group_table[block.index] == NO_BLOCK:  # not held by this layer's group
                 continue
             off, size = chunks[(bi, layer)]
-            items.append(DecodeItem(block_ids=group_table, token_start=block.index * bs,
-                                    num_tokens=block.num_tokens, in_offset=recv_offset + off,
-                                    nbytes=size, expected_tag=block.tag, heads=window))
+            part = size // len(windows)  # the runs of one chunk are all of one size
+            items.extend(DecodeItem(block_ids=group_table, token_start=block.index * bs,
+                                    num_tokens=block.num_tokens,
+                                    in_offset=recv_offset + off + i * part, nbytes=part,
+                                    expected_tag=block.tag, heads=window)
+                         for i, window in enumerate(windows))
             if block.num_tokens < bs and geometry.state_groups:
                 partial.append(group_table[block.index])
         caches.layouts[layer].zero_blocks(caches.tensors[layer], partial)
@@ -180,7 +185,7 @@ class HostCoder:
         for save in meta.saves:
             for block in save.blocks:
                 tokens += block.num_tokens
-                wire += sum(self.chunk_nbytes(layer, block.num_tokens, block.index)
+                wire += sum(self._staged_nbytes(layer, block.num_tokens, block.index)
                             for layer in range(self.geometry.num_layers)
                             if save.table(groups[layer])[block.index] != NO_BLOCK)
         self._done.clear()
@@ -192,6 +197,19 @@ class HostCoder:
         steps, self._steps = self._steps, []
         return steps
 
+    def _cut(self, layer: int) -> int:
+        """Chunks of consecutive heads this layer's chunk is staged as (``decode_tp_size``)."""
+        spec = self.geometry.layers[layer]
+        groups = self.layout.head_groups if self.layout is not None else 1
+        return 1 if spec.is_state or spec.is_latent else groups
+
+    def _staged_nbytes(self, layer: int, num_tokens: int, block_index: int) -> int:
+        groups = self._cut(layer)
+        if groups == 1:
+            return self.chunk_nbytes(layer, num_tokens, block_index)
+        heads = self.geometry.layers[layer].num_kv_heads // groups
+        return groups * self.chunk_nbytes(layer, num_tokens, block_index, heads)
+
     def _encode_layer(self, layer: int, saves: Sequence[SaveRequest]) -> None:
         assert self.staging is not None and self.layout is not None
         if self.geometry.layers[layer].is_state:
@@ -200,16 +218,27 @@ class HostCoder:
         items, promised = [], []
         bs = self.geometry.block_size
         group = self.geometry.layers[layer].group
+        cut = self._cut(layer)
+        sub = self.geometry.layers[layer].num_kv_heads // cut
         for save in saves:
             table = save.table(group)
             for block in save.blocks:
                 if table[block.index] == NO_BLOCK:  # its group no longer holds it: not staged
                     continue
-                items.append(EncodeItem(block_ids=table, token_start=block.index * bs,
-                                        num_tokens=block.num_tokens,
-                                        out_offset=self.layout.chunk_offset(block.slot, layer),
-                                        tag=block.tag))
-                promised.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
+                at = self.layout.chunk_offset(block.slot, layer)
+                if cut == 1:
+                    items.append(EncodeItem(block_ids=table, token_start=block.index * bs,
+                                            num_tokens=block.num_tokens, out_offset=at,
+                                            tag=block.tag))
+                    promised.append(self.chunk_nbytes(layer, block.num_tokens, block.index))
+                    continue
+                # one chunk per run of heads, back to back (all of one size)
+                size = self.chunk_nbytes(layer, block.num_tokens, block.index, sub)
+                items.extend(EncodeItem(block_ids=table, token_start=block.index * bs,
+                                        num_tokens=block.num_tokens, out_offset=at + g * size,
+                                        tag=block.tag, head_start=g * sub, head_count=sub)
+                             for g in range(cut))
+                promised.extend([size] * cut)
         t0 = time.perf_counter()
         written = encode_into(self.codec, layer, self.caches.tensors[layer],
                               self.caches.layouts[layer], items, self.staging,
@@ -243,11 +272,11 @@ class HostCoder:
         """Nothing to get ready: each group decodes when it lands."""
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
-               chunks: ChunkOffsets, heads: HeadWindow | None = None) -> DoneDecode:
+               chunks: ChunkOffsets, cut: ChunkCut | None = None) -> DoneDecode:
         """Verify and decode the chunks of ``layers`` now; the handle is done."""
         assert self.recv is not None
         decode_landed(self.codec, self.geometry, self.caches, self.recv, load, layers,
-                      recv_offset, chunks, heads)
+                      recv_offset, chunks, cut)
         return DoneDecode(layers)
 
     # ------------------------------------------------------------------ store

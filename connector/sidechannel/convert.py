@@ -85,6 +85,7 @@ class StagingInfo:
     layer_offsets: tuple[int, ...]
     device_id: int
     mem_type: str
+    head_groups: int = 1  # chunks of consecutive heads per staged K/V chunk (decode_tp_size)
 
     def to_proto(self) -> pb.StagingGeometry:
         return pb.StagingGeometry(
@@ -94,6 +95,7 @@ class StagingInfo:
             layer_offsets=list(self.layer_offsets),
             device_id=self.device_id,
             mem_type=self.mem_type,
+            head_groups=self.head_groups,
         )
 
     @classmethod
@@ -124,4 +126,5 @@ class StagingInfo:
             layer_offsets=tuple(geo.layer_offsets),
             device_id=geo.device_id,
             mem_type=geo.mem_type,
+            head_groups=geo.head_groups or 1,  # checked against the chunk's heads by the loader
         )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1turbowire/connector/sidechannel/sidechannel.proto\x12\x18turbowire.sidechannel.v1\"\xc7\x02\n\x13\x43ompatibilityRecord\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x18\n\x10num_draft_layers\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x03(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06preset\x18\x08 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\t \x01(\r\x12\x1c\n\x14\x63odec_format_version\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12\x1a\n\x12speculative_config\x18\x0c \x01(\t\x12\x0f\n\x07weights\x18\r \x01(\t\x12\x16\n\x0emodel_kv_heads\x18\x0e \x03(\r\x12\x10\n\x08rope_dim\x18\x0f \x01(\r\"\x87\x01\n\x0fStagingGeometry\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x15\n\rlayer_offsets\x18\x04 \x03(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\"u\n\x10HandshakeRequest\x12=\n\x06record\x18\x01 \x01(\x0b\x32-.turbowire.sidechannel.v1.CompatibilityRecord\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\"\xe2\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12=\n\x06record\x18\x02 \x01(\x0b\x32-.turbowire.sidechannel.v1.CompatibilityRecord\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12:\n\x07staging\x18\x05 \x01(\x0b\x32).turbowire.sidechannel.v1.StagingGeometryJ\x04\x08\x06\x10\x07R\rlease_seconds\"\x9d\x01\n\x0cLeaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x14\n\x0clease_tokens\x18\x04 \x03(\t\x12\x16\n\x0eprompt_digests\x18\x05 \x03(\t\x12\x15\n\rprompt_tokens\x18\x06 \x03(\x04\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\"U\n\nLeaseReply\x12\x0c\n\x04\x64one\x18\x01 \x03(\t\x12\x0f\n\x07unknown\x18\x02 \x03(\t\x12\x0f\n\x07refused\x18\x03 \x03(\t\x12\x17\n\x0fprompt_mismatch\x18\x04 \x03(\t\"\x13\n\x11PoolStatusRequest\"|\n\x0fPoolStatusReply\x12\x16\n\x0e\x63\x61pacity_slots\x18\x01 \x01(\r\x12\x12\n\nused_slots\x18\x02 \x01(\r\x12\x0e\n\x06leases\x18\x03 \x01(\r\x12\x19\n\x11reserved_requests\x18\x04 \x01(\r\x12\x12\n\nslot_bytes\x18\x05 \x01(\x04\x32\x92\x03\n\x0bSideChannel\x12\x64\n\tHandshake\x12*.turbowire.sidechannel.v1.HandshakeRequest\x1a+.turbowire.sidechannel.v1.HandshakeResponse\x12\\\n\x0cReleaseLease\x12&.turbowire.sidechannel.v1.LeaseRequest\x1a$.turbowire.sidechannel.v1.LeaseReply\x12Y\n\tHeartbeat\x12&.turbowire.sidechannel.v1.LeaseRequest\x1a$.turbowire.sidechannel.v1.LeaseReply\x12\x64\n\nPoolStatus\x12+.turbowire.sidechannel.v1.PoolStatusRequest\x1a).turbowire.sidechannel.v1.PoolStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1turbowire/connector/sidechannel/sidechannel.proto\x12\x18turbowire.sidechannel.v1\"\xc7\x02\n\x13\x43ompatibilityRecord\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x18\n\x10num_draft_layers\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x03(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06preset\x18\x08 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\t \x01(\r\x12\x1c\n\x14\x63odec_format_version\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12\x1a\n\x12speculative_config\x18\x0c \x01(\t\x12\x0f\n\x07weights\x18\r \x01(\t\x12\x16\n\x0emodel_kv_heads\x18\x0e \x03(\r\x12\x10\n\x08rope_dim\x18\x0f \x01(\r\"\x9c\x01\n\x0fStagingGeometry\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x15\n\rlayer_offsets\x18\x04 \x03(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x13\n\x0bhead_groups\x18\x07 \x01(\r\"u\n\x10HandshakeRequest\x12=\n\x06record\x18\x01 \x01(\x0b\x32-.turbowire.sidechannel.v1.CompatibilityRecord\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\"\xe2\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12=\n\x06record\x18\x02 \x01(\x0b\x32-.turbowire.sidechannel.v1.CompatibilityRecord\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12:\n\x07staging\x18\x05 \x01(\x0b\x32).turbowire.sidechannel.v1.StagingGeometryJ\x04\x08\x06\x10\x07R\rlease_seconds\"\x9d\x01\n\x0cLeaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x14\n\x0clease_tokens\x18\x04 \x03(\t\x12\x16\n\x0eprompt_digests\x18\x05 \x03(\t\x12\x15\n\rprompt_tokens\x18\x06 \x03(\x04\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\"U\n\nLeaseReply\x12\x0c\n\x04\x64one\x18\x01 \x03(\t\x12\x0f\n\x07unknown\x18\x02 \x03(\t\x12\x0f\n\x07refused\x18\x03 \x03(\t\x12\x17\n\x0fprompt_mismatch\x18\x04 \x03(\t\"\x13\n\x11PoolStatusRequest\"|\n\x0fPoolStatusReply\x12\x16\n\x0e\x63\x61pacity_slots\x18\x01 \x01(\r\x12\x12\n\nused_slots\x18\x02 \x01(\r\x12\x0e\n\x06leases\x18\x03 \x01(\r\x12\x19\n\x11reserved_requests\x18\x04 \x01(\r\x12\x12\n\nslot_bytes\x18\x05 \x01(\x04\x32\x92\x03\n\x0bSideChannel\x12\x64\n\tHandshake\x12*.turbowire.sidechannel.v1.HandshakeRequest\x1a+.turbowire.sidechannel.v1.HandshakeResponse\x12\\\n\x0cReleaseLease\x12&.turbowire.sidechannel.v1.LeaseRequest\x1a$.turbowire.sidechannel.v1.LeaseReply\x12Y\n\tHeartbeat\x12&.turbowire.sidechannel.v1.LeaseRequest\x1a$.turbowire.sidechannel.v1.LeaseReply\x12\x64\n\nPoolStatus\x12+.turbowire.sidechannel.v1.PoolStatusRequest\x1a).turbowire.sidechannel.v1.PoolStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPATIBILITYRECORD']._serialized_start=80
   _globals['_COMPATIBILITYRECORD']._serialized_end=407
   _globals['_STAGINGGEOMETRY']._serialized_start=410
-  _globals['_STAGINGGEOMETRY']._serialized_end=545
-  _globals['_HANDSHAKEREQUEST']._serialized_start=547
-  _globals['_HANDSHAKEREQUEST']._serialized_end=664
-  _globals['_HANDSHAKERESPONSE']._serialized_start=667
-  _globals['_HANDSHAKERESPONSE']._serialized_end=893
-  _globals['_LEASEREQUEST']._serialized_start=896
-  _globals['_LEASEREQUEST']._serialized_end=1053
-  _globals['_LEASEREPLY']._serialized_start=1055
-  _globals['_LEASEREPLY']._serialized_end=1140
-  _globals['_POOLSTATUSREQUEST']._serialized_start=1142
-  _globals['_POOLSTATUSREQUEST']._serialized_end=1161
-  _globals['_POOLSTATUSREPLY']._serialized_start=1163
-  _globals['_POOLSTATUSREPLY']._serialized_end=1287
-  _globals['_SIDECHANNEL']._serialized_start=1290
-  _globals['_SIDECHANNEL']._serialized_end=1692
+  _globals['_STAGINGGEOMETRY']._serialized_end=566
+  _globals['_HANDSHAKEREQUEST']._serialized_start=568
+  _globals['_HANDSHAKEREQUEST']._serialized_end=685
+  _globals['_HANDSHAKERESPONSE']._serialized_start=688
+  _globals['_HANDSHAKERESPONSE']._serialized_end=914
+  _globals['_LEASEREQUEST']._serialized_start=917
+  _globals['_LEASEREQUEST']._serialized_end=1074
+  _globals['_LEASEREPLY']._serialized_start=1076
+  _globals['_LEASEREPLY']._serialized_end=1161
+  _globals['_POOLSTATUSREQUEST']._serialized_start=1163
+  _globals['_POOLSTATUSREQUEST']._serialized_end=1182
+  _globals['_POOLSTATUSREPLY']._serialized_start=1184
+  _globals['_POOLSTATUSREPLY']._serialized_end=1308
+  _globals['_SIDECHANNEL']._serialized_start=1311
+  _globals['_SIDECHANNEL']._serialized_end=1713
 # @@protoc_insertion_point(module_scope)

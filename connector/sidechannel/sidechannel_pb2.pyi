@@ -41,20 +41,22 @@ class CompatibilityRecord(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_draft_layers: _Optional[int] = ..., kv_heads: _Optional[_Iterable[int]] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., preset: _Optional[str] = ..., format_version: _Optional[int] = ..., codec_format_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., speculative_config: _Optional[str] = ..., weights: _Optional[str] = ..., model_kv_heads: _Optional[_Iterable[int]] = ..., rope_dim: _Optional[int] = ...) -> None: ...
 
 class StagingGeometry(_message.Message):
-    __slots__ = ("base_addr", "slot_bytes", "num_slots", "layer_offsets", "device_id", "mem_type")
+    __slots__ = ("base_addr", "slot_bytes", "num_slots", "layer_offsets", "device_id", "mem_type", "head_groups")
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LAYER_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_GROUPS_FIELD_NUMBER: _ClassVar[int]
     base_addr: int
     slot_bytes: int
     num_slots: int
     layer_offsets: _containers.RepeatedScalarFieldContainer[int]
     device_id: int
     mem_type: str
-    def __init__(self, base_addr: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., layer_offsets: _Optional[_Iterable[int]] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ...) -> None: ...
+    head_groups: int
+    def __init__(self, base_addr: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., layer_offsets: _Optional[_Iterable[int]] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., head_groups: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("record", "engine_id", "tp_rank")

@@ -32,10 +32,11 @@ FP8_SCALES = (0.05, 0.08)
 
 
 def engine(preset: str, port: int, engine_id: str, role: str = "kv_both", groups: int = 8,
-           fp8_scales: tuple[float, float] | None = None, save_schedule: str = "layerwise"):
+           fp8_scales: tuple[float, float] | None = None, save_schedule: str = "layerwise",
+           decode_tp: int = 0):
     extra = {"preset": preset, "staging_bytes": "2MiB", "side_channel_port": port,
              "lease_seconds": 5, "decode_pipeline_groups": groups,
-             "save_schedule": save_schedule}
+             "save_schedule": save_schedule, "decode_tp_size": decode_tp}
     # vLLM's attention layers by name, as the worker reads an fp8 cache's k/v scales
     context = ({name: SimpleNamespace(_k_scale_float=fp8_scales[0], _v_scale_float=fp8_scales[1])
                 for name in LAYERS} if fp8_scales else None)
@@ -87,21 +88,32 @@ def make_caches(fp8: bool, fill_random: bool) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "preset,local_hit_blocks,groups,corrupt,fp8,schedule",
-    [("raw", 0, 1, False, False, "layerwise"), ("raw", 1, 8, False, False, "layerwise"),
-     ("tq4", 0, 8, False, False, "layerwise"), ("tq4", 0, 2, False, False, "layerwise"),
-     ("tq4", 0, 8, True, False, "layerwise"), ("raw", 0, 2, False, True, "layerwise"),
-     ("tq4", 1, 8, False, True, "layerwise"), ("tq4", 0, 8, False, False, "after_forward")],
+    "preset,local_hit_blocks,groups,corrupt,fp8,schedule,cut",
+    [("raw", 0, 1, False, False, "layerwise", False),
+     ("raw", 1, 8, False, False, "layerwise", False),
+     ("tq4", 0, 8, False, False, "layerwise", False),
+     ("tq4", 0, 2, False, False, "layerwise", False),
+     ("tq4", 0, 8, True, False, "layerwise", False),
+     ("raw", 0, 2, False, True, "layerwise", False),
+     ("tq4", 1, 8, False, True, "layerwise", False),
+     ("tq4", 0, 8, False, False, "after_forward", False),
+     # the prefill engine cuts its chunks per head (decode_tp_size 2): this decode engine of
+     # its own TP size reads both runs of every chunk
+     ("raw", 0, 8, False, False, "layerwise", True),
+     ("tq4", 1, 2, False, False, "after_forward", True),
+     ("tq4", 0, 8, True, False, "layerwise", True)],
 )
-def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, fp8, schedule):
+def test_stage_read_decode_roundtrip(preset, local_hit_blocks, groups, corrupt, fp8, schedule,
+                                     cut):
     from turbowire.serving.launch import free_port
 
     n = 100  # 3 full blocks + 4 tokens
     p_port = free_port()
-    tag = f"{preset}-{local_hit_blocks}-{groups}-{corrupt}-{fp8}-{schedule}"
+    tag = f"{preset}-{local_hit_blocks}-{groups}-{corrupt}-{fp8}-{schedule}-{cut}"
     scales = FP8_SCALES if fp8 else None
     p_sched, p_worker = engine(preset, p_port, f"P-{tag}", fp8_scales=scales,
-                               save_schedule=schedule)
+                               save_schedule=schedule, decode_tp=2 if cut else 0)
+    assert p_worker.layout.head_groups == (2 if cut else 1)
     d_sched, d_worker = engine(preset, free_port(), f"D-{tag}", groups=groups, fp8_scales=scales)
     torch.manual_seed(0)
     p_caches = make_caches(fp8, fill_random=True)

@@ -29,6 +29,15 @@ def test_sane_geometry_is_accepted() -> None:
     assert (info.base_addr, info.slot_bytes, info.num_slots) == (1 << 20, 1 << 16, 64)
 
 
+def test_runs_of_heads_travel_and_an_older_peer_stages_whole_chunks() -> None:
+    info = StagingInfo.from_response(_resp(1 << 20))
+    assert info.head_groups == 1  # field absent: an older prefill engine, whole chunks
+    cut = StagingInfo("agent-p", b"md", 1 << 20, 1 << 16, 64, (0, 4096), 0, "DRAM", 4)
+    resp = pb.HandshakeResponse(engine_id="p", agent_name="agent-p", agent_metadata=b"md",
+                                staging=cut.to_proto())
+    assert StagingInfo.from_response(resp).head_groups == 4
+
+
 def test_pool_ending_just_below_2_63_is_accepted() -> None:
     base = MAX_STAGING_ADDRESS - 64 * (1 << 16) - 1
     info = StagingInfo.from_response(_resp(base))

@@ -1,8 +1,10 @@
 """Prefill and decode workers of other TP sizes through the workers' own calls (CPU caches, the
-host coder): a prefill rank stages chunks of its own heads; a decode rank decodes the window of
-them that is its own (``HeadWindow``) at its heads' place. Every chunk codes each head on its
-own, so the decode ranks end up with exactly the KV an equal-TP load writes, bit for bit, for
-each preset tested; and nothing else of their caches changes."""
+host coder): a prefill rank stages chunks of its own heads, cut into runs of heads when it is
+told the decode engines' TP size (``decode_tp_size``); a decode rank reads the runs holding its
+heads (all of the chunk when it is not cut) and decodes its window of them at its heads' place
+(``tp_plan.ChunkCut``). Every chunk codes each head on its own, so the decode ranks end up with
+exactly the KV an equal-TP load writes, bit for bit, for each preset tested; nothing else of
+their caches changes; and with the chunks cut, a decode rank reads exactly its heads' chunks."""
 
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ from support.fakes import make_worker as build_worker
 
 from turbowire.connector.coder import ChunkOffsets
 from turbowire.connector.metadata import PeerAddress, TurboWireConnectorMetadata
-from turbowire.connector.read_plan import chunk_sizes, layer_groups
-from turbowire.connector.tp_plan import head_sources
-from turbowire.kernels import HeadWindow
+from turbowire.connector.read_plan import chunk_sizes, cut_chunk_sizes, layer_groups
+from turbowire.connector.tp_plan import chunk_cut, head_sources, staged_head_groups
 
 BS, DIM, NB, HEADS = 16, 64, 10, 4
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
@@ -24,10 +25,12 @@ P_IDS, D_IDS = [2, 8, 5], [7, 1, 9]
 GUARD = 5.0
 
 
-def worker(monkeypatch, preset: str, engine_id: str, heads: int, caches: dict):
-    w = build_worker(monkeypatch, {"preset": preset, "staging_bytes": "1MiB"}, LAYERS,
+def worker(monkeypatch, preset: str, engine_id: str, heads: int, caches: dict,
+           tp: int = 1, decode_tp: int = 0):
+    w = build_worker(monkeypatch, {"preset": preset, "staging_bytes": "1MiB",
+                                   "decode_tp_size": decode_tp}, LAYERS,
                      block_size=BS, num_kv_heads=heads, head_size=DIM, num_blocks=NB,
-                     engine_id=engine_id)
+                     engine_id=engine_id, tp_size=tp)
     w.register_kv_caches(caches)
     return w
 
@@ -48,58 +51,77 @@ def guards(heads: int) -> dict:
     return {n: torch.full((2, NB, BS, heads, DIM), GUARD, dtype=torch.bfloat16) for n in LAYERS}
 
 
-def stage(monkeypatch, preset: str, tp: int, src: dict) -> list:
-    """The prefill ranks of a ``tp`` engine, each with its heads' chunks staged."""
+def stage(monkeypatch, preset: str, tp: int, src: dict, decode_tp: int = 0) -> list:
+    """The prefill ranks of a ``tp`` engine, each with its heads' chunks staged (cut for
+    decode engines of TP ``decode_tp`` when larger)."""
     ranks = []
     for rank in range(tp):
-        p = worker(monkeypatch, preset, f"p{rank}", HEADS // tp, shard(src, tp, rank))
+        p = worker(monkeypatch, preset, f"p{rank}", HEADS // tp, shard(src, tp, rank), tp,
+                   decode_tp)
         p.wait_for_save(TurboWireConnectorMetadata(saves=[save_request("a", P_IDS, TOKENS, BS)]))
         ranks.append(p)
     return ranks
 
 
-def load_into(d, prefill: list, preset: str, prefill_tp: int, decode_tp: int, rank: int) -> None:
-    """What the loader does for decode rank ``rank``: each source's chunks landed in the receive
-    buffer one after the other, each decoded through its head window."""
+def load_into(d, prefill: list, preset: str, prefill_tp: int, decode_tp: int, rank: int) -> int:
+    """What the loader does for decode rank ``rank``: of each source, the staged bytes its cut
+    names landed in the receive buffer one source after the other, each decoded through its
+    cut. The bytes read."""
     save = save_request("a", P_IDS, TOKENS, BS)
     load = load_request("d", save, D_IDS, preset, PeerAddress("p", "h", 1, prefill_tp))
     base = 0
     for src in head_sources(HEADS, prefill_tp, decode_tp, rank):
+        p = prefill[src.prefill_rank]
+        cut = chunk_cut(src, p.layout.head_groups, d.geometry.max_kv_heads)
         heads = None if prefill_tp == decode_tp else src.src_heads
-        sizes = chunk_sizes(load.blocks, len(LAYERS),
-                            lambda layer, t, i: d.chunk_nbytes(layer, t, i, heads))
+        if cut is None:
+            sizes = chunk_sizes(load.blocks, len(LAYERS),
+                                lambda layer, t, i: d.chunk_nbytes(layer, t, i, heads))
+            skip = sizes * 0
+        else:
+            sizes, skip = cut_chunk_sizes(
+                load.blocks, lambda layer, t, i: d.chunk_nbytes(layer, t, i, heads),
+                lambda layer, t, i: d.chunk_nbytes(layer, t, i, cut.sub_heads),
+                [True] * len(LAYERS), cut.first, cut.parts)
         flat = sizes.reshape(-1)
         offsets = ChunkOffsets((flat.cumsum() - flat).reshape(sizes.shape), sizes,
                                layer_groups(len(LAYERS), 2), [])
-        p = prefill[src.prefill_rank]
         for layer in range(len(LAYERS)):
             for bi, b in enumerate(load.blocks):
                 off, size = offsets[(bi, layer)]
-                at = p.layout.chunk_offset(b.slot, layer)
+                at = p.layout.chunk_offset(b.slot, layer) + int(skip[layer, bi])
                 d.recv[base + off:base + off + size] = p.staging[at:at + size]
-        window = None if src.whole else HeadWindow(src.src_heads, src.src_start, src.count,
-                                                   src.dst_start)
         for layers in offsets.groups:
-            d.coder.decode(load, layers, base, offsets, heads=window).result()
+            d.coder.decode(load, layers, base, offsets, cut=cut).result()
         base += int(flat.sum())
+    return base
+
+
+def its_heads_bytes(d, per: int) -> int:
+    """The bytes of this rank's heads' chunks: one per layer and block."""
+    return sum(d.chunk_nbytes(layer, min(BS, TOKENS - i * BS), i, per)
+               for layer in range(len(LAYERS)) for i in range(len(P_IDS)))
 
 
 @pytest.mark.parametrize("preset", ["raw", "tq4", "k8v4", "tq3"])
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (1, 4), (4, 2)])
+@pytest.mark.parametrize("prefill_tp,decode_tp,cut_for", [
+    (1, 2, 0), (2, 1, 0), (1, 4, 0), (4, 2, 0),
+    # the prefill engine told the decode engines' TP size: its chunks cut per their heads
+    (1, 2, 2), (1, 4, 4), (2, 4, 4), (1, 1, 2), (2, 1, 4), (1, 4, 2)])
 def test_other_tp_sizes_load_what_an_equal_tp_load_writes(monkeypatch, preset, prefill_tp,
-                                                           decode_tp):
+                                                           decode_tp, cut_for):
     src = model_caches(3)
     # the reference: prefill and decode at TP 1, every head in one chunk
     ref = guards(HEADS)
     one = worker(monkeypatch, preset, "ref", HEADS, ref)
     load_into(one, stage(monkeypatch, preset, 1, src), preset, 1, 1, 0)
 
-    prefill = stage(monkeypatch, preset, prefill_tp, src)
+    prefill = stage(monkeypatch, preset, prefill_tp, src, cut_for)
     per = HEADS // decode_tp
     for rank in range(decode_tp):
         dst = guards(per)
-        d = worker(monkeypatch, preset, f"d{rank}", per, dst)
-        load_into(d, prefill, preset, prefill_tp, decode_tp, rank)
+        d = worker(monkeypatch, preset, f"d{rank}", per, dst, decode_tp)
+        read = load_into(d, prefill, preset, prefill_tp, decode_tp, rank)
         for n in LAYERS:
             want = ref[n][:, :, :, rank * per:(rank + 1) * per]
             assert torch.equal(dst[n], want), (n, rank)
@@ -107,3 +129,10 @@ def test_other_tp_sizes_load_what_an_equal_tp_load_writes(monkeypatch, preset, p
                 got = dst[n][:, D_IDS].reshape(2, -1, per, DIM)[:, :TOKENS]
                 kv = src[n][:, P_IDS, :, rank * per:(rank + 1) * per].reshape(2, -1, per, DIM)
                 assert torch.equal(got, kv[:, :TOKENS]), (n, rank)
+        if decode_tp > prefill_tp:  # the runs of heads holding this rank's (whole chunks
+            # when not cut): exactly its heads' chunks when cut for this decode TP size
+            run = HEADS // prefill_tp // staged_head_groups(cut_for, prefill_tp,
+                                                            HEADS // prefill_tp)
+            assert read == max(1, per // run) * its_heads_bytes(d, run)
+            if cut_for == decode_tp:
+                assert read == its_heads_bytes(d, per)

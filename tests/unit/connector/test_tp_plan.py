@@ -13,15 +13,19 @@ from turbowire.connector.compat import CompatibilityRecord, IncompatiblePeerErro
 from turbowire.connector.geometry import KVGeometry, LayerSpec
 from turbowire.connector.staging import StagingPool
 from turbowire.connector.tp_plan import (
+    ChunkCut,
     HeadSource,
     TensorParallelError,
+    chunk_cut,
     head_sources,
     load_plan,
     model_kv_heads,
     peer_refusal,
     rank_heads,
+    staged_head_groups,
     tp_refusal,
 )
+from turbowire.kernels import HeadWindow
 
 
 def test_ranks_hold_heads_as_vllm_shards_them():
@@ -156,3 +160,37 @@ def test_a_lease_is_freed_once_every_rank_of_the_decode_engine_released_it():
     lease = pool.lease("t", consumers=2)
     assert pool.release(["t"], 0, ["wrong"], consumers=1).refused == ["t"]
     assert pool.release(["t"], 0, [lease.token]).done == ["t"] and pool.has_lease("t")
+
+
+def test_a_prefill_engine_cuts_its_chunks_for_the_decode_engines_tp_size():
+    from turbowire.connector.config import ConnectorConfigError
+    from turbowire.connector.spec import head_groups
+
+    assert [staged_head_groups(d, 1, 4) for d in (0, 1, 2, 4, 8)] == [1, 1, 2, 4, 4]
+    assert staged_head_groups(4, 2, 2) == 2 and staged_head_groups(2, 2, 2) == 1
+    assert head_groups(geometry(4), 2, 1) == 2
+    assert head_groups(geometry(4, rope=64), 8, 1) == 1  # an MLA latent moves whole
+    with pytest.raises(ConnectorConfigError, match="not a multiple"):
+        head_groups(geometry(4), 3, 2)
+    with pytest.raises(ConnectorConfigError, match="do not split"):
+        head_groups(geometry(3), 2, 1)
+    mixed = KVGeometry((LayerSpec("model.layers.0.self_attn.attn", 2, 64),
+                        LayerSpec("model.layers.1.self_attn.attn", 4, 64)), 32, "bfloat16")
+    with pytest.raises(ConnectorConfigError, match="different KV head counts"):
+        head_groups(mixed, 2, 1)
+
+
+def test_a_decode_rank_reads_the_runs_of_heads_holding_its_own():
+    # P TP 1 of 4 heads cut in 2 runs; D TP 2: rank 1 reads the second run, whole
+    (src,) = head_sources(4, 1, 2, 1)
+    assert chunk_cut(src, 2, 2) == ChunkCut(2, 2, 1, (HeadWindow(2, 0, 2, 0),))
+    # cut in 4 (for D TP 4), read by D TP 2: two runs of one head, side by side
+    assert chunk_cut(src, 4, 2) == ChunkCut(4, 1, 2, (HeadWindow(1, 0, 1, 0),
+                                                      HeadWindow(1, 0, 1, 1)))
+    # equal TP sizes: every run, each at its place; uncut: the whole chunk, in place
+    assert chunk_cut(HeadSource.same_rank(0), 2, 4).windows == (HeadWindow(2, 0, 2, 0),
+                                                                 HeadWindow(2, 0, 2, 2))
+    assert chunk_cut(HeadSource.same_rank(0), 1, 4) is None
+    # a peer's number of runs that does not divide its chunk's heads is refused
+    with pytest.raises(TensorParallelError):
+        chunk_cut(src, 3, 2)
