@@ -2,7 +2,9 @@
 KV heads split 1 per rank at TP 2, so
 
 * P TP=1 -> D TP=2: each decode rank reads the prefill rank's 2-head chunks and keeps its head;
-* P TP=2 -> D TP=1: the decode rank reads both prefill ranks' 1-head chunks, each at its head.
+* P TP=2 -> D TP=1: the decode rank reads both prefill ranks' 1-head chunks, each at its head;
+* P TP=1 told ``decode_tp_size: 2`` -> D TP=2: the prefill rank stages each chunk as two 1-head
+  chunks and each decode rank reads only its own (half the bytes of the above).
 
 and the tiny DeepSeek-V2-style MLA model, whose latent rows every rank holds whole: at P TP=1 ->
 D TP=2 each decode rank reads the whole latent chunks from the one prefill rank.
@@ -45,16 +47,18 @@ NOISE = {"llama": 0.05, "deepseek-v2": 0.25}
 
 
 def wire_bytes(arch: str, preset: str, n: int, prefill_tp: int, decode_tp: int,
-               block: int) -> int:
+               block: int, cut: bool) -> int:
     """The bytes every decode rank reads, one chunk per layer and block of the ranks it reads:
-    the Llama's chunks hold a prefill rank's heads, read by as many ranks as the wider side has;
-    an MLA latent chunk is the same on every rank, read whole by each decode rank."""
+    the Llama's chunks hold a prefill rank's heads (a decode rank's, ``cut``), read by as many
+    ranks as the wider side has; an MLA latent chunk is the same on every rank, read whole by
+    each decode rank."""
     tokens = [(start, min(block, n - start)) for start in range(0, n, block)]
     if arch == "deepseek-v2":  # 4 layers, the 512 latent as 4 vectors of 128, a 64 RoPE part
         codec = Codec(preset, 128, 4)
         return decode_tp * sum(latent_nbytes(codec, layer, t, 512, 64, start)
                                for layer in range(4) for start, t in tokens)
-    codec, heads = Codec(preset, HEAD_DIM, LAYERS), KV_HEADS // prefill_tp
+    codec = Codec(preset, HEAD_DIM, LAYERS)
+    heads = KV_HEADS // (decode_tp if cut else prefill_tp)
     return max(prefill_tp, decode_tp) * sum(codec.encoded_nbytes(layer, t, heads, start)
                                             for layer in range(LAYERS) for start, t in tokens)
 
@@ -63,35 +67,35 @@ def first_token_logprobs(out: dict) -> dict[str, float]:
     return out["choices"][0]["logprobs"]["top_logprobs"][0]
 
 
-# the Llama: raw both ways (the distribution check), and a coded preset where decode ranks keep
-# windows of chunks (P 2 -> D 1 places whole chunks as an equal-TP load does; tests/unit covers
-# the presets); the MLA model where decode ranks outnumber prefill ranks
-@pytest.mark.parametrize("arch,prefill_tp,decode_tp,preset", [
-    ("llama", 1, 2, "raw"), ("llama", 2, 1, "raw"), ("llama", 1, 2, "tq4"),
-    ("deepseek-v2", 1, 2, "raw")])
+# the Llama: raw both ways (the distribution check), with the prefill engine's chunks whole and
+# cut per decode rank's heads, and a coded preset through the cut (tests/unit covers the presets
+# bit for bit); the MLA model where decode ranks outnumber prefill ranks
+@pytest.mark.parametrize("arch,prefill_tp,decode_tp,preset,cut", [
+    ("llama", 1, 2, "raw", False), ("llama", 1, 2, "raw", True), ("llama", 2, 1, "raw", False),
+    ("llama", 1, 2, "tq4", True), ("deepseek-v2", 1, 2, "raw", False)])
 def test_engines_of_other_tp_sizes_hand_the_prompt_over(arch, prefill_tp, decode_tp, preset,
-                                                        tiny_model, engine_slot,
+                                                        cut, tiny_model, engine_slot,
                                                         tmp_path_factory):
     model, staging = ((tiny_model, staging_bytes_for(preset, 48)) if arch == "llama"
                       else (ensure_tiny_model(arch), 64 << 20))
-    group, stack = start_stack(model, preset,
-                               tmp_path_factory.mktemp(f"logs-{arch}-tp{prefill_tp}{decode_tp}"),
-                               staging, tp=(prefill_tp, decode_tp))
+    logs = tmp_path_factory.mktemp(f"logs-{arch}-tp{prefill_tp}{decode_tp}-{preset}")
+    group, stack = start_stack(model, preset, logs, staging, tp=(prefill_tp, decode_tp),
+                               extra={"decode_tp_size": decode_tp} if cut else None)
     try:
         block = engine_block_size(stack.decode.url)  # MLA backends choose their own
         assert block == engine_block_size(stack.prefill.url)
         for i, n in enumerate(PROMPTS):
             prompt = prompt_ids(7700 + 10 * i + prefill_tp, n)
             out = pd(stack, prompt, max_tokens=8, logprobs=TOP,
-                     request_id=f"{arch}-tp{prefill_tp}{decode_tp}-{preset}-{n}")
+                     request_id=f"{arch}-tp{prefill_tp}{decode_tp}-{preset}-{cut}-{n}")
             load = out["kv_transfer_params"]["turbowire_load"]
             assert load["failed"] is None, load
             assert load["tokens"] == n, load
             # vLLM CPU's MLA backends pick the block size (16, or the 32 asked with AMX); at
             # D TP 2 the cache_config_info gauge once said 32 where the chunks were of 16 tokens
             sizes = {block} if arch == "llama" else {block, 16, 32}
-            assert load["wire_bytes"] in {wire_bytes(arch, preset, n, prefill_tp, decode_tp, b)
-                                          for b in sizes}, load
+            assert load["wire_bytes"] in {wire_bytes(arch, preset, n, prefill_tp, decode_tp, b,
+                                                     cut) for b in sizes}, load
             assert out["choices"][0]["text"].strip(), "a completion must be produced"
             if preset != "raw":
                 continue
