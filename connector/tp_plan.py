@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from turbowire.errors import TurboWireError
-from turbowire.kernels.items import HeadWindow
+from turbowire.kernels import HeadWindow
 
 if TYPE_CHECKING:
     from turbowire.connector.compat import CompatibilityRecord
