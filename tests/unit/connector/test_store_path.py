@@ -247,14 +247,16 @@ class MemoryStore:
 
 @dataclass
 class Caches:
-    """The part of EngineCaches the store worker uses: CPU paged caches (LBHNC, K|V packed)."""
+    """The part of EngineCaches the store worker uses: CPU paged caches (LBHNC, K|V packed; or
+    an MLA model's row tables, ``latent_caches``)."""
 
     tensors: list[torch.Tensor]
-    layouts: list[PagedKVLayout]
+    layouts: list[PagedKVLayout] | list[LatentPages]
     device: torch.device = torch.device("cpu")
+    per_token: int = LAYERS * 2 * HEADS * DIM * 2  # dense bytes of a token, all layers
 
     def dense_bytes_per_token(self) -> int:
-        return LAYERS * 2 * HEADS * DIM * 2
+        return self.per_token
 
     def kv_scales(self, layer: int):
         return None
@@ -483,31 +485,18 @@ def test_a_save_that_never_landed_is_planned_again_later(monkeypatch):
 LATENT, ROPE, VECTOR = 512, 64, 128  # DeepSeek V2/V3's row; the codec's 128-wide vectors
 
 
-@dataclass
-class LatentCaches:
+def latent_caches(seed: int | None) -> Caches:
     """An MLA model's CPU caches: one [blocks, block_size, latent + rope] row table per layer."""
-
-    tensors: list[torch.Tensor]
-    layouts: list[LatentPages]
-    device: torch.device = torch.device("cpu")
-
-    def dense_bytes_per_token(self) -> int:
-        return LAYERS * (LATENT + ROPE) * 2
-
-    def kv_scales(self, layer: int):
-        return None
-
-
-def latent_caches(seed: int | None) -> LatentCaches:
     g = torch.Generator().manual_seed(seed or 0)
     tensors = [torch.randn(NUM_BLOCKS, BS, LATENT + ROPE, generator=g).to(torch.bfloat16)
                for _ in range(LAYERS)]
     if seed is None:
         tensors = [torch.zeros_like(t) for t in tensors]
-    return LatentCaches(tensors, [LatentPages.from_cache(t, LATENT, ROPE) for t in tensors])
+    return Caches(tensors, [LatentPages.from_cache(t, LATENT, ROPE) for t in tensors],
+                  per_token=LAYERS * (LATENT + ROPE) * 2)
 
 
-def latent_worker(preset: str, caches: LatentCaches, store: MemoryStore):
+def latent_worker(preset: str, caches: Caches, store: MemoryStore):
     geometry = KVGeometry(tuple(LayerSpec(f"l.{i}", LATENT // VECTOR, VECTOR, rope_dim=ROPE)
                                 for i in range(LAYERS)), BS, "bfloat16")
     assert all(layer.is_latent for layer in geometry.layers)
