@@ -13,9 +13,10 @@ Implementations, chosen per call by ``impl`` ("auto" unless a test or benchmark 
   applies (``impl="cpu"`` requires it).
 * the reference codec (``turbowire.codec``) with vectorised torch gather/scatter elsewhere
   (``impl="reference"``), and for an MLA layer's cache (a ``LatentPages`` layout: latent
-  chunks, ``kernels/latent.py``) on any device, for items with a head window
-  (``DecodeItem.heads``: another TP size's chunks, ``kernels/heads.py``) and for items that
-  encode a run of heads (``EncodeItem.head_count``: a chunk per decode rank's heads).
+  chunks, ``kernels/latent.py``) on any device. Items with a head window (``DecodeItem.heads``:
+  another TP size's chunks) and items that encode a run of heads (``EncodeItem.head_count``: a
+  chunk per decode rank's heads) take Triton where it applies, else the reference
+  (``kernels/heads.py``): the C codec codes whole chunks only.
 
 All of them write the same bytes and raise the same exceptions. The items and their range check
 live in ``kernels/items.py``; the implementations import them from there, never from here.
@@ -91,13 +92,13 @@ def encode_into(
     if isinstance(layout, LatentPages):
         return encode_latent_into(codec, layer, kv_cache, layout, items, staging)
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
-    if any(item.head_count for item in items):  # runs of heads: the reference (below)
-        impl = "reference"
-    if _use_triton(impl, codec, kv_cache):
+    if _use_triton(impl, codec, kv_cache):  # runs of heads included
         return triton_launch.encode_into(
             codec, layer, kv_cache, layout, items, staging, kernel_config, kv_scales=scales
         )
-    if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, staging):
+    runs = any(item.head_count for item in items)  # the C codec codes whole chunks only
+    if (scales is None or impl == "cpu") and not runs \
+            and _use_cpu(impl, codec, kv_cache, layout, staging):
         return cpu_binding.encode_into(codec, layer, kv_cache, layout, items, staging)
     written = []
     for item in items:
@@ -142,12 +143,12 @@ def decode_into(
         decode_latent_into(codec, layer, kv_cache, layout, items, source)
         return
     scales = fp8_cache.resolve_scales(kv_cache, kv_scales)
-    if any(item.heads is not None for item in items):  # another TP size's chunks
-        decode_heads_into(codec, layer, kv_cache, layout, items, source, scales)
-        return
-    if _use_triton(impl, codec, kv_cache):
+    if _use_triton(impl, codec, kv_cache):  # head windows included
         triton_launch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
                                     kv_scales=scales)
+        return
+    if any(item.heads is not None for item in items):  # another TP size's chunks
+        decode_heads_into(codec, layer, kv_cache, layout, items, source, scales)
         return
     if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, source):
         cpu_binding.decode_into(codec, layer, kv_cache, layout, items, source)
@@ -180,12 +181,8 @@ def _per_job_scales(n_jobs: int, kv_scales: Sequence[Any] | None) -> list[Any]:
 
 
 def _per_layer_only(jobs: Sequence[Any]) -> bool:
-    """MLA layers take the per-layer latent path (no batched Triton launch serves them), and so
-    do head windows (``decode_heads_into``) and runs of heads (``EncodeItem.head_count``)."""
-    return any(isinstance(job[2], LatentPages)
-               or any(getattr(item, "heads", None) is not None
-                      or getattr(item, "head_count", 0) for item in job[3])
-               for job in jobs)
+    """MLA layers take the per-layer latent path (no batched Triton launch serves them)."""
+    return any(isinstance(job[2], LatentPages) for job in jobs)
 
 
 def encode_layers_into(

@@ -6,7 +6,8 @@ The reference codec decodes each whole chunk (its header must name exactly the h
 window expects: a peer's chunk of other heads is refused, never sliced); the window's heads
 replace those of the destination tokens through the layout's own gather and scatter, so it
 serves every layout the reference serves (GPU, the CPU attention placements, fp8 caches) and
-leaves every other head of those tokens as it was. No Triton or C kernel does this yet.
+leaves every other head of those tokens as it was. The Triton kernels serve windows of CUDA
+caches themselves (``triton_launch.DecodePlan``: the same bytes written); the C codec does not.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from turbowire.codec import Codec
 from turbowire.codec.errors import GeometryError
 from turbowire.kernels import fp8_cache
-from turbowire.kernels.items import DecodeItem, HeadWindow, check_range
+from turbowire.kernels.items import DecodeItem, HeadWindow, check_chunk_heads, check_range
 
 
 def decode_heads_into(codec: Codec, layer: int, kv_cache: torch.Tensor, layout: Any,
@@ -36,9 +37,7 @@ def decode_heads_into(codec: Codec, layer: int, kv_cache: torch.Tensor, layout: 
             layer, data, expected_tag=item.expected_tag, expected_tokens=item.num_tokens,
             expected_offset=item.token_start,
         )
-        if k.shape[1] != window.src_heads:
-            raise GeometryError(f"chunk of layer {layer} holds {k.shape[1]} KV heads, the "
-                                f"prefill rank's chunks hold {window.src_heads}")
+        check_chunk_heads(layer, k.shape[1], window)
         if window.dst_start + window.count > layout.num_heads:
             raise GeometryError(f"head window {window} outside the cache's "
                                 f"{layout.num_heads} heads")

@@ -1,9 +1,9 @@
 """The work items of the front door (``turbowire.kernels.encode_into`` / ``decode_into``) and the
 buffer range check every implementation applies to them.
 
-A leaf module: it imports only ``kernels/paged.py``, so the front door (``dispatch``) and the
-implementations (``triton_launch``, ``cpu_binding``) all import the items from here and none of
-them imports another.
+A leaf module: it imports only ``kernels/paged.py`` and the codec's errors, so the front door
+(``dispatch``) and the implementations (``triton_launch``, ``cpu_binding``) all import the items
+from here and none of them imports another.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turbowire.codec.errors import GeometryError
 from turbowire.kernels.paged import BlockIndexError
 
 
@@ -65,6 +66,14 @@ class DecodeItem:
     nbytes: int
     expected_tag: int | None = None
     heads: HeadWindow | None = None
+
+
+def check_chunk_heads(layer: int, heads: int, window: HeadWindow) -> None:
+    """A chunk read through ``window`` must hold the heads the window was planned for: a peer's
+    chunk of other heads is refused, never sliced."""
+    if heads != window.src_heads:
+        raise GeometryError(f"chunk of layer {layer} holds {heads} KV heads, the prefill "
+                            f"rank's chunks hold {window.src_heads}")
 
 
 def check_range(buf: torch.Tensor, offset: int, nbytes: int, what: str) -> None:

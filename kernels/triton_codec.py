@@ -51,7 +51,8 @@ KIND_LLOYD = 2
 ENCODE_FIELDS = ("koff", "voff", "start", "tokens", "pow2", "out", "blk", "tag_lo", "tag_hi",
                  "layer", "body", "kbytes", "kscale", "vscale")
 DECODE_FIELDS = ("koff", "voff", "start", "tokens", "in", "nbytes", "blk", "tag_lo", "tag_hi",
-                 "has_tag", "layer", "body", "kbytes", "status", "kscale", "vscale")
+                 "has_tag", "layer", "body", "kbytes", "status", "kscale", "vscale", "head0",
+                 "heads")
 E_KOFF = tl.constexpr(0)
 E_VOFF = tl.constexpr(1)
 E_START = tl.constexpr(2)
@@ -83,6 +84,11 @@ D_KBYTES = tl.constexpr(12)
 D_STATUS = tl.constexpr(13)  # where the chunk's verify status goes in the status array
 D_KSCALE = tl.constexpr(14)
 D_VSCALE = tl.constexpr(15)
+# the chunk heads [head0, head0 + heads) a program writes (a head window: a decode rank of another
+# TP size; else 0 and every head); koff / voff then point head0 heads before the cache's first
+# written head, so chunk head h lands at cache head h - head0 + that head
+D_HEAD0 = tl.constexpr(16)
+D_HEADS = tl.constexpr(17)
 D_FIELDS = tl.constexpr(len(DECODE_FIELDS))
 
 # verify status bits (a failing chunk is re-checked by the reference on the host for the message)
@@ -1523,7 +1529,8 @@ def decode_kernel(
     also counts in ``*fail_ptr``) and, only if the chunk is valid, decodes it: both streams, every
     head (SPLIT 1), or one stream (SPLIT 2: program s of an item decodes stream s; both verify
     the whole chunk and record the same status). A refused chunk writes nothing; the other
-    chunks of the launch are decoded regardless."""
+    chunks of the launch are decoded regardless. Only the item's window of heads is written
+    (``D_HEAD0``: every head but for a decode rank of another TP size)."""
     pid = tl.program_id(0)
     item = pid // SPLIT
     part = pid % SPLIT
@@ -1543,6 +1550,8 @@ def decode_kernel(
         s_off = tl.multiple_of(tl.load(ip + D_KBYTES), 16)
         ksc = _scale_at(ip, D_KSCALE)
         vsc = _scale_at(ip, D_VSCALE)
+        h0 = tl.load(ip + D_HEAD0).to(tl.int32)
+        hn = tl.load(ip + D_HEADS).to(tl.int32)
         do_k = part == 0
         do_v = part == SPLIT - 1
         # the chunk's source dtype (verified: 1 bf16, 2 fp16) selects a specialised copy of the
@@ -1550,26 +1559,26 @@ def decode_kernel(
         # computed, then selected)
         if tl.load(src_ptr + in_off + 16) == 2:
             if do_k:
-                for h in range(H):
+                for h in range(h0, h0 + hn):
                     _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, k_off, h,
                                 H, body0, 0, True, stride_blk, stride_tok, stride_head,
                                 block_size, D, L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI,
                                 K_WORDS, MANUAL, S1M, S2M, ksc)
             if do_v:
-                for h in range(H):
+                for h in range(h0, h0 + hn):
                     _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, v_off, h,
                                 H, body0, s_off, True, stride_blk, stride_tok, stride_head,
                                 block_size, D, L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI,
                                 V_WORDS, MANUAL, S1M, S2M, vsc)
         else:
             if do_k:
-                for h in range(H):
+                for h in range(h0, h0 + hn):
                     _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, k_off, h,
                                 H, body0, 0, False, stride_blk, stride_tok, stride_head,
                                 block_size, D, L, BT, K_KIND, K_BITS, K_CENTER, K_SINK, K_NHI,
                                 K_WORDS, MANUAL, S1M, S2M, ksc)
             if do_v:
-                for h in range(H):
+                for h in range(h0, h0 + hn):
                     _dec_stream(kv_ptr, src_ptr, tab_ptr, blocks_ptr, blk0, start, T, v_off, h,
                                 H, body0, s_off, False, stride_blk, stride_tok, stride_head,
                                 block_size, D, L, BT, V_KIND, V_BITS, V_CENTER, V_SINK, V_NHI,
@@ -1623,7 +1632,8 @@ def decode_heads_kernel(
     S2M: tl.constexpr,
 ):
     """Grid: items x 2 streams x H heads. Program (item, s, h) decodes head h of stream s of a
-    chunk ``verify_kernel`` passed (status 0) and writes nothing otherwise. A long chunk is
+    chunk ``verify_kernel`` passed (status 0), if h is in the item's window (``D_HEAD0``), and
+    writes nothing otherwise. A long chunk is
     then spread over 2H programs instead of one: the same arithmetic as ``decode_kernel``'s
     (``_dec_stream``), so the caches written are bit-identical."""
     pid = tl.program_id(0)
@@ -1632,7 +1642,9 @@ def decode_heads_kernel(
     s = (pid % per_item) // H
     h = pid % H
     ip = items_ptr + item * D_FIELDS
-    if tl.load(status_ptr + tl.load(ip + D_STATUS)) == 0:
+    h0 = tl.load(ip + D_HEAD0).to(tl.int32)
+    mine = (h >= h0) & (h < h0 + tl.load(ip + D_HEADS).to(tl.int32))  # else outside its window
+    if mine & (tl.load(status_ptr + tl.load(ip + D_STATUS)) == 0):
         in_off = tl.multiple_of(tl.load(ip + D_IN), 16)
         start = tl.load(ip + D_START).to(tl.int32)
         T = tl.load(ip + D_T).to(tl.int32)

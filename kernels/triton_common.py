@@ -24,7 +24,7 @@ from turbowire.codec.rotation import sign_tables
 from turbowire.codec.streams import stream_layout
 from turbowire.errors import TurboWireError
 from turbowire.kernels.fp8_cache import KVScales, is_fp8_cache
-from turbowire.kernels.items import DecodeItem, check_range
+from turbowire.kernels.items import DecodeItem, check_chunk_heads, check_range
 from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.quant_lut import lut_tables
 
@@ -548,7 +548,9 @@ def _raise_like_reference(
         layer, data, expected_tag=item.expected_tag, expected_tokens=item.num_tokens,
         expected_offset=item.token_start,
     )
-    if k.shape[1:] != (layout.num_heads, layout.head_dim):
+    if item.heads is not None:  # a head window: the chunk's heads are the window's source's
+        check_chunk_heads(layer, k.shape[1], item.heads)
+    elif k.shape[1:] != (layout.num_heads, layout.head_dim):
         raise CacheLayoutError(
             f"scatter of {tuple(k.shape)} into a cache of {layout.num_heads} heads x "
             f"{layout.head_dim}"

@@ -57,6 +57,29 @@ from turbowire.kernels.triton_common import (  # noqa: F401 - their old home, re
 )
 
 
+def _head_shift(start: int, count: int, cache_heads: int, strides: tuple[int, int, int]) -> int:
+    """Elements a run of heads starting at cache head ``start`` shifts the layer's planes by."""
+    if start + count > cache_heads:
+        raise GeometryError(f"heads {start}+{count} outside the cache's {cache_heads}")
+    shift = start * strides[2]
+    if shift % 16:
+        raise CacheLayoutError(f"a run of heads shifts the cache planes by {shift} elements; "
+                               "the kernels need multiples of 16")
+    return shift
+
+
+def _check_disjoint_writes(writes: list[tuple[int, range, list[tuple[int, int, str]]]],
+                           by_head: bool) -> None:
+    """No two chunks write the same slots of one cache (of one head, ``by_head``: head windows
+    of several prefill ranks' chunks fill one token's heads side by side)."""
+    groups: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+    for ptr, heads, spans in writes:
+        for h in heads if by_head else (0,):
+            groups.setdefault((ptr, h), []).extend(spans)
+    for spans in groups.values():
+        _check_disjoint(spans)
+
+
 class EncodePlan:
     """Validated launches of the encode kernel for (layer, cache, layout, items) jobs: one launch
     per distinct layer policy. ``launch()`` may be called repeatedly (and captured in a CUDA
@@ -79,7 +102,7 @@ class EncodePlan:
         base, lay0 = _check_jobs(codec, jobs, staging, "staging")
         scale_cols = _scale_columns(base, len(jobs), kv_scales)
         dim = codec.head_dim
-        launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
+        launches: dict[tuple[tuple[StreamSpec, StreamSpec], int], _Launch] = {}
         spans: list[tuple[int, int, str]] = []
         strides = None
         for (layer, cache, layout, items), (kscale, vscale) in zip(jobs, scale_cols):
@@ -87,9 +110,13 @@ class EncodePlan:
             if strides is not None and geom.strides != strides:
                 raise CacheLayoutError("all layers of one call must share cache strides")
             strides = geom.strides
-            launch = launches.setdefault(_group_key(codec, layer), _Launch([]))
             sizes = []
             for item in items:
+                # a run of heads (``head_count``): a chunk of those heads alone, read from
+                # the cache's head ``head_start`` on (the layer's planes shifted by that many heads)
+                heads = item.head_count or layout.num_heads
+                shift = _head_shift(item.head_start, heads, layout.num_heads, geom.strides)
+                launch = launches.setdefault((_group_key(codec, layer), heads), _Launch([]))
                 blk0, _ids = launch.blocks.add(layout, item.block_ids, item.token_start,
                                                item.num_tokens)
                 if item.num_tokens > (1 << 16):
@@ -97,14 +124,14 @@ class EncodePlan:
                         f"a chunk holds at most 65536 tokens, got {item.num_tokens}")
                 if not 0 <= item.tag < 1 << 64:
                     raise GeometryError("tag must fit in 64 unsigned bits")
-                nbytes, kbytes = _sizes(codec, layer, item.num_tokens, layout.num_heads,
-                                        item.token_start)
+                nbytes, kbytes = _sizes(codec, layer, item.num_tokens, heads, item.token_start)
                 _check_range(staging, item.out_offset, nbytes, "staging")
                 spans.append((item.out_offset, item.out_offset + nbytes, "staging bytes"))
                 p = _pow2(item.num_tokens)
                 launch.max_tokens = max(launch.max_tokens, p)
                 launch.rows.append([
-                    geom.k_off, geom.v_off, item.token_start, item.num_tokens, p, item.out_offset,
+                    geom.k_off + shift, geom.v_off + shift, item.token_start, item.num_tokens, p,
+                    item.out_offset,
                     blk0, item.tag & 0xFFFFFFFF, item.tag >> 32, layer,
                     nbytes - HEADER_BYTES, kbytes, kscale, vscale,
                 ])
@@ -116,7 +143,7 @@ class EncodePlan:
         tab = _tables(dim, device)
         dtype_code = 2 if base.dtype == torch.float16 else 1  # fp8 caches are coded as bf16
         sqrt_d = float(torch.tensor(math.sqrt(dim), dtype=torch.float32))
-        for (kspec, vspec), launch in launches.items():
+        for ((kspec, vspec), heads), launch in launches.items():
             n = len(launch.rows)
             if n == 0:
                 continue
@@ -134,9 +161,8 @@ class EncodePlan:
                       **_stream_consts(vspec, dim).prefixed("V")}
             args = (_kernel_cache(base), staging, table, blocks, tab, acc, strides[0], strides[1],
                     strides[2],
-                    _block_size_arg(lay0.block_size), lay0.num_heads, codec.preset.preset_id,
-                    codec.num_layers,
-                    dtype_code, n)
+                    _block_size_arg(lay0.block_size), heads, codec.preset.preset_id,
+                    codec.num_layers, dtype_code, n)
             kwargs = dict(
                 D=dim, L=lanes, BT=bt, SBT=sbt, LV=lv, **consts, QMODE=cfg.qmode,
                 FP8_MANUAL=interpreting(), SQRT_D=sqrt_d, S1M=_sign_mask(dim, 0),
@@ -145,7 +171,7 @@ class EncodePlan:
                 **cfg.launch_options(cfg.encode_registers_for(kspec, vspec, dim)),
                 enable_fp_fusion=False,
             )
-            self._calls.append(((n * 2 * lay0.num_heads,), args, kwargs))
+            self._calls.append(((n * 2 * heads,), args, kwargs))
 
     def launch(self) -> None:
         from turbowire.kernels import triton_codec as tk
@@ -181,17 +207,29 @@ class DecodePlan:
         base, lay0 = _check_jobs(codec, jobs, source, "source")
         scale_cols = _scale_columns(base, len(jobs), kv_scales)
         dim = codec.head_dim
-        launches: dict[tuple[StreamSpec, StreamSpec], _Launch] = {}
-        slot_spans: dict[int, list[tuple[int, int, str]]] = {}
+        launches: dict[tuple[tuple[StreamSpec, StreamSpec], int], _Launch] = {}
+        writes: list[tuple[int, range, list[tuple[int, int, str]]]] = []  # cache, heads, slots
         strides = None
         for (layer, cache, layout, items), (kscale, vscale) in zip(jobs, scale_cols):
             geom = _cache_geom(cache, layout, base)
             if strides is not None and geom.strides != strides:
                 raise CacheLayoutError("all layers of one call must share cache strides")
             strides = geom.strides
-            launch = launches.setdefault(_group_key(codec, layer), _Launch([]))
-            spans = slot_spans.setdefault(cache.data_ptr(), [])
             for item in items:
+                # a head window (``heads``): of a chunk of ``src_heads`` heads, decode heads
+                # head0.. into the cache's heads dst_start.. (the planes shifted to match)
+                w = item.heads
+                src_heads = w.src_heads if w is not None else layout.num_heads
+                head0, count = (w.src_start, w.count) if w is not None else (0, src_heads)
+                dst = w.dst_start if w is not None else 0
+                if dst + count > layout.num_heads:
+                    raise GeometryError(f"head window {w} outside the cache's "
+                                        f"{layout.num_heads} heads")
+                shift = (dst - head0) * geom.strides[2]
+                if shift % 16:
+                    raise CacheLayoutError(f"a head window shifts the cache planes by {shift} "
+                                           "elements; the kernels need multiples of 16")
+                launch = launches.setdefault((_group_key(codec, layer), src_heads), _Launch([]))
                 if item.nbytes < HEADER_BYTES:
                     raise TruncatedPayloadError(
                         f"payload has {item.nbytes} bytes, a chunk header alone has {HEADER_BYTES}"
@@ -199,23 +237,25 @@ class DecodePlan:
                 _check_range(source, item.in_offset, item.nbytes, "source")
                 blk0, ids = launch.blocks.add(layout, item.block_ids, item.token_start,
                                               item.num_tokens)
-                spans.extend(_slot_spans(layout, ids, item.token_start, item.num_tokens))
+                writes.append((cache.data_ptr(), range(dst, dst + count),
+                               _slot_spans(layout, ids, item.token_start, item.num_tokens)))
                 if not 0 < item.num_tokens <= (1 << 16):
                     raise GeometryError(f"a chunk holds 1..65536 tokens, got {item.num_tokens}")
                 tag = item.expected_tag
                 if tag is not None and not 0 <= tag < 1 << 64:
                     raise GeometryError("expected_tag must fit in 64 unsigned bits")
-                nbytes, kbytes = _sizes(codec, layer, item.num_tokens, layout.num_heads,
+                nbytes, kbytes = _sizes(codec, layer, item.num_tokens, src_heads,
                                         item.token_start)
                 body = nbytes - HEADER_BYTES
                 launch.rows.append([  # the columns of DECODE_FIELDS, in order
-                    geom.k_off, geom.v_off, item.token_start, item.num_tokens, item.in_offset,
-                    item.nbytes, blk0, (tag or 0) & 0xFFFFFFFF, (tag or 0) >> 32,
+                    geom.k_off + shift, geom.v_off + shift, item.token_start, item.num_tokens,
+                    item.in_offset, item.nbytes, blk0, (tag or 0) & 0xFFFFFFFF, (tag or 0) >> 32,
                     int(tag is not None), layer, body, kbytes, len(self._refs), kscale, vscale,
+                    head0, count,
                 ])
                 self._refs.append((layer, item, layout))
-        for spans in slot_spans.values():
-            _check_disjoint(spans)
+        _check_disjoint_writes(writes, any(item.heads is not None for _l, _c, _lay, its in jobs
+                                           for item in its))
         if not self._refs:
             return
         assert strides is not None
@@ -224,7 +264,7 @@ class DecodePlan:
         self.status = torch.zeros(len(self._refs), dtype=torch.int32, device=device)
         self._acc = torch.zeros(2 * len(self._refs), dtype=torch.int32, device=device)
         self.fails = torch.zeros(1, dtype=torch.int32, device=device)
-        for (kspec, vspec), launch in launches.items():
+        for ((kspec, vspec), heads), launch in launches.items():
             n = len(launch.rows)
             if n == 0:
                 continue
@@ -233,7 +273,7 @@ class DecodePlan:
             self._calls += _decode_calls(
                 cfg, kspec, vspec, dim, n, max(r[3] for r in launch.rows), _kernel_cache(base),
                 source, table, blocks, tab, self.status, self._acc, self.fails, strides,
-                lay0.block_size, lay0.num_heads, codec.preset.preset_id, codec.num_layers)
+                lay0.block_size, heads, codec.preset.preset_id, codec.num_layers)
 
     def launch(self) -> None:
         if self.fails is None:

@@ -340,10 +340,14 @@ class EncodeLayersPlan:
         kv_scales: Sequence[KVScales | None] | None = None,
         layouts: Sequence[PagedKVLayout] | None = None,
         check_disjoint: bool = True,
+        head_groups: int = 1,
     ) -> None:
         """``check_disjoint=False``: the caller guarantees that no two chunks' staging ranges
         overlap (e.g. distinct slots of a fixed layout whose room each size was checked
-        against), which saves a sort of every (layer, chunk) range."""
+        against), which saves a sort of every (layer, chunk) range. ``head_groups``: each chunk
+        is staged as that many chunks of consecutive heads, back to back from its offset (a
+        prefill engine cutting its chunks per decode rank's heads); ``written`` is then their
+        sum."""
         cfg = config or DEFAULT_CONFIG
         self.layers = [int(x) for x in layers]
         n_l, n = len(self.layers), len(chunks)
@@ -364,17 +368,33 @@ class EncodeLayersPlan:
         self._calls: list[tuple[Any, ...]] = []
         if n == 0:
             return
-        nb_lk, kb_lk = _size_table(codec, self.layers, layout.num_heads, chunks)
+        groups = int(head_groups)
+        if groups < 1 or layout.num_heads % groups:
+            raise GeometryError(f"{layout.num_heads} KV heads do not split into {head_groups} "
+                                "runs of heads")
+        heads = layout.num_heads // groups
+        nb_lk, kb_lk = _size_table(codec, self.layers, heads, chunks)
         _, inv = chunks.size_keys()
-        self.written = nb_lk[:, inv]
+        self.written = groups * nb_lk[:, inv]
         _check_offsets(staging, out, self.written, "staging")
         if check_disjoint:
             _check_disjoint(out, self.written, "staging bytes")
-        pow2 = _pow2_array(chunks.tokens)
-        blk0 = chunks.blk0()
-        tags = chunks.tags
+        # one table row per run of heads: chunk c's run g is row c * groups + g, written right
+        # after run g - 1 and read from the cache's head g * heads on (the planes shifted)
+        g = np.tile(np.arange(groups, dtype=np.int64), n)
+        run = np.repeat(np.arange(n, dtype=np.int64), groups)
+        out = out[:, run] + g[None, :] * nb_lk[:, inv[run]]
+        head_shift = g * heads * strides[2]
+        if (head_shift % 16).any():
+            raise CacheLayoutError("a run of heads shifts the cache planes by a number of "
+                                   "elements that is not a multiple of 16")
+        inv = inv[run]
+        pow2 = _pow2_array(chunks.tokens)[run]
+        blk0 = chunks.blk0()[run]
+        tags = chunks.tags[run]
         tag_lo = (tags & np.uint64(0xFFFFFFFF)).astype(np.int64)
         tag_hi = (tags >> np.uint64(32)).astype(np.int64)
+        rows_n = n * groups
         policies: dict[Any, _Policy] = {}
         for i, layer in enumerate(self.layers):
             policies.setdefault(_group_key(codec, layer), _Policy(_group_key(codec, layer))
@@ -392,15 +412,16 @@ class EncodeLayersPlan:
         for (kspec, vspec), pol in policies.items():
             pos = pol.positions
             fields = [  # the columns of ENCODE_FIELDS, in order
-                ("L", [geoms[i].k_off for i in pos]), ("L", [geoms[i].v_off for i in pos]),
-                ("N", chunks.start), ("N", chunks.tokens), ("N", pow2), ("LN", out[pos]),
+                ("LN", np.array([geoms[i].k_off for i in pos])[:, None] + head_shift[None, :]),
+                ("LN", np.array([geoms[i].v_off for i in pos])[:, None] + head_shift[None, :]),
+                ("N", chunks.start[run]), ("N", chunks.tokens[run]), ("N", pow2), ("LN", out[pos]),
                 ("N", blk0), ("N", tag_lo), ("N", tag_hi), ("L", [self.layers[i] for i in pos]),
                 ("LK", nb_lk[pos] - HEADER_BYTES), ("LK", kb_lk[pos]),
                 ("L", [scale_cols[i][0] for i in pos]), ("L", [scale_cols[i][1] for i in pos]),
             ]
             assert len(fields) == nf
-            table = _device_rows(device, n, fields, inv)
-            acc = torch.zeros(2 * len(pos) * n, dtype=torch.int32, device=device)
+            table = _device_rows(device, rows_n, fields, inv)
+            acc = torch.zeros(2 * len(pos) * rows_n, dtype=torch.int32, device=device)
             tf = _transforms(kspec, vspec)
             lanes = cfg.lanes_for(dim, True, tf)
             bt = cfg.tile_rows_for(dim, True, tf)
@@ -419,18 +440,19 @@ class EncodeLayersPlan:
                 enable_fp_fusion=False,
             )
             tail = (strides[0], strides[1], strides[2], _block_size_arg(layout.block_size),
-                    layout.num_heads, codec.preset.preset_id, codec.num_layers, dtype_code)
+                    heads, codec.preset.preset_id, codec.num_layers, dtype_code)
             kc = _kernel_cache(base)
-            heads2 = 2 * layout.num_heads
-            n_all = len(pos) * n
+            heads2 = 2 * heads
+            n_all = len(pos) * rows_n
             self._calls.append(((n_all * heads2,),
                                 (kc, staging, table, self.blocks, tab, acc) + tail + (n_all,),
                                 kwargs))
+            m = rows_n
             for j, i in enumerate(pos):
                 self._layer_calls[i].append((
-                    (n * heads2,),
-                    (kc, staging, table[j * n:(j + 1) * n], self.blocks, tab,
-                     acc[2 * j * n:2 * (j + 1) * n]) + tail + (n,), kwargs))
+                    (m * heads2,),
+                    (kc, staging, table[j * m:(j + 1) * m], self.blocks, tab,
+                     acc[2 * j * m:2 * (j + 1) * m]) + tail + (m,), kwargs))
             pol.table = table
         self._policies = list(policies.values())
 
@@ -539,6 +561,7 @@ class DecodeLayersPlan:
                 # status: chunk c of the plan's i-th layer reports at i * n + c
                 ("LI", [i * n for i in sel]), ("L", [scale_cols[i][0] for i in sel]),
                 ("L", [scale_cols[i][1] for i in sel]),
+                ("N", np.zeros(n, np.int64)), ("N", np.full(n, layout.num_heads)),  # all heads
             ]
 
         assert len(fields([0])) == nf

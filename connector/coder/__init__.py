@@ -68,21 +68,17 @@ def make_coder(
         def chunk_nbytes(layer: int, tokens: int, block_index: int,
                          heads: int | None = None) -> int:
             return exact_chunk_nbytes(codec, geometry, layer, tokens, block_index, heads)
-    cut = layout is not None and layout.head_groups > 1
     if kind == "auto":
         # a hybrid model's state layers are copied raw and an MLA model's latent rows coded by
         # the host coder's per-layer calls (Triton for the K/V layers of CUDA caches): the
-        # CUDA coder's plans code K/V only, whole chunks (not cut per decode rank's heads)
-        cuda = (not geometry.state_groups and not geometry.has_latent and not cut
+        # CUDA coder's plans code K/V only (whole chunks, or runs of heads: decode_tp_size)
+        cuda = (not geometry.state_groups and not geometry.has_latent
                 and cuda_serves(codec, caches.tensors))
         kind = "cuda" if cuda else "host"
     if kind == "cuda" and (geometry.state_groups or geometry.has_latent):
         raise ValueError("the CUDA coder serves K/V attention layers only; this model has "
                          "Mamba / linear-attention state layers or MLA latents (the host "
                          "coder moves them)")
-    if kind == "cuda" and cut:
-        raise ValueError("the CUDA coder stages whole chunks; decode_tp_size cuts them per "
-                         "decode rank's heads (the host coder does)")
     if kind == "cuda":
         return CudaCoder(codec, geometry, caches, layout, staging, recv, chunk_nbytes,
                          mode="layer" if save_schedule == "layerwise" else "batched",

@@ -182,6 +182,13 @@ class CudaCoder:
                     np.array(slots, dtype=np.int64))
             return per_group[group]
 
+        # decode_tp_size: each chunk staged as one chunk per decode rank's heads, back to back
+        cut = self.layout.head_groups
+
+        def run_heads(layer: int) -> tuple[int, ...]:
+            """The heads argument of ``chunk_nbytes`` for one run (none: whole chunks)."""
+            return (self.geometry.layers[layer].num_kv_heads // cut,) if cut > 1 else ()
+
         plans = []
         where: dict[int, tuple[int, int]] = {}
         wire = 0
@@ -198,11 +205,12 @@ class CudaCoder:
                 [self.scales(i) for i in fam.layers],
                 # distinct slots, each chunk within its layer's room (checked below, before any
                 # launch): no two chunks' staging bytes overlap
-                check_disjoint=False,
+                check_disjoint=False, head_groups=cut,
             )
             for pos, layer in enumerate(fam.layers):  # once per layer and size key
-                promised = [self.chunk_nbytes(layer, int(chunks.tokens[i]),
-                                              int(chunks.start[i]) // bs) for i in reps.tolist()]
+                promised = [cut * self.chunk_nbytes(layer, int(chunks.tokens[i]),
+                                                    int(chunks.start[i]) // bs, *run_heads(layer))
+                            for i in reps.tolist()]
                 check_sizes(plan.written[pos, reps], promised,
                             self.layout.full_chunk_bytes[layer], layer)
                 where[layer] = (len(plans), pos)

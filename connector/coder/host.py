@@ -24,7 +24,6 @@ from turbowire.kernels import (
     BlockIndexError,
     DecodeItem,
     EncodeItem,
-    decode_into,
     decode_layers_into,
     decode_state_into,
     decode_tail_into,
@@ -111,12 +110,14 @@ def decode_landed(codec: Codec, geometry: KVGeometry, caches: EngineCaches,
     through the kernels' per-layer calls; ``cut``: each K/V chunk's bytes are ``cut.parts``
     staged runs of heads, each decoded through its head window (a prefill rank of another TP
     size, or one that cut its chunks per decode rank's heads). Bytes final on return. The CUDA
-    coder takes this path for cuts."""
+    coder takes this path for cuts: the K/V layers whose caches share dtype and layout then
+    decode in one multi-layer call (Triton: one launch per layer policy, one status read)."""
     bs = geometry.block_size
     table = load.block_ids
     for block in load.blocks:
         if block.index >= len(table) or table[block.index] != block.block_id:
             raise BlockIndexError(f"block table does not map block {block.index}")
+    calls: dict[tuple[Any, ...], list[tuple[int, list[DecodeItem]]]] = {}
     for layer in layers:
         items = []
         group_table = load.table(geometry.layers[layer].group)
@@ -146,8 +147,13 @@ def decode_landed(codec: Codec, geometry: KVGeometry, caches: EngineCaches,
             if block.num_tokens < bs and geometry.state_groups:
                 partial.append(group_table[block.index])
         caches.layouts[layer].zero_blocks(caches.tensors[layer], partial)
-        decode_into(codec, layer, caches.tensors[layer], caches.layouts[layer], items, recv,
-                    kv_scales=caches.kv_scales(layer))
+        cache = caches.tensors[layer]
+        key = (cache.dtype, caches.layouts[layer], cache.stride())
+        calls.setdefault(key, []).append((layer, items))
+    for jobs in calls.values():
+        decode_layers_into(codec, [(layer, caches.tensors[layer], caches.layouts[layer], items)
+                                   for layer, items in jobs], recv,
+                           kv_scales=[caches.kv_scales(layer) for layer, _ in jobs])
     wait_for_device(caches.device)
 
 

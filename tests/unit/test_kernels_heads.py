@@ -1,7 +1,12 @@
 """Head windows (``DecodeItem.heads``): a decode rank of another TP size than the prefill rank
 that staged a chunk writes exactly its share of the chunk's heads, at its own heads' offset,
 and leaves every other head and token alone; a chunk of other heads than the window expects is
-refused with nothing written. Checked against the whole chunk decoded by the reference."""
+refused with nothing written. Checked against the whole chunk decoded by the reference, on the
+reference path ("auto" on a CPU cache) and the Triton kernels (Triton's interpreter on CPU: the
+same kernels serve CUDA caches), which must write the same bits.
+
+Runs of heads (``EncodeItem.head_count``): each run's chunk is that of those heads alone, byte
+for byte, on both paths."""
 
 from __future__ import annotations
 
@@ -67,9 +72,13 @@ def whole(codec: Codec, buf: torch.Tensor, offs: list[int], blocks: list[int], t
     return PagedKVLayout.from_cache(ref).gather(ref, blocks, 0, tokens)
 
 
+IMPLS = ["auto", "triton"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("preset", ["raw", "tq4", "k8v4"])
 @pytest.mark.parametrize("make_cache", [gpu_style, cpu_style], ids=["gpu_layout", "cpu_layout"])
-def test_wider_decode_tp_takes_its_share_of_each_chunk(preset, make_cache):
+def test_wider_decode_tp_takes_its_share_of_each_chunk(preset, make_cache, impl):
     """P TP=1 (4 heads) -> D TP=2 (2 heads per rank): rank r writes heads 2r, 2r+1."""
     codec = Codec(preset, D, 2)
     tokens, src_blocks, dst_blocks = 40, [5, 1, 6], [2, 7, 0]
@@ -79,7 +88,8 @@ def test_wider_decode_tp_takes_its_share_of_each_chunk(preset, make_cache):
         cache = make_cache(2, GUARD)
         layout = PagedKVLayout.from_cache(cache)
         decode_into(codec, 0, cache, layout,
-                    items(dst_blocks, tokens, offs, buf, HeadWindow(4, 2 * rank, 2, 0)), buf)
+                    items(dst_blocks, tokens, offs, buf, HeadWindow(4, 2 * rank, 2, 0)), buf,
+                    impl=impl)
         k, v = layout.gather(cache, dst_blocks, 0, tokens)
         assert torch.equal(k, k_all[:, 2 * rank:2 * rank + 2])
         assert torch.equal(v, v_all[:, 2 * rank:2 * rank + 2])
@@ -90,8 +100,9 @@ def test_wider_decode_tp_takes_its_share_of_each_chunk(preset, make_cache):
         assert bool((layout.gather(cache, others, 0, len(others) * BS)[0] == GUARD).all())
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("preset", ["raw", "tq3"])
-def test_narrower_decode_tp_assembles_its_heads_from_several_ranks(preset):
+def test_narrower_decode_tp_assembles_its_heads_from_several_ranks(preset, impl):
     """P TP=2 (2 heads per rank) -> D TP=1 (4 heads): each rank's chunks at their offset,
     through the multi-layer front door too."""
     codec = Codec(preset, D, 2)
@@ -106,23 +117,24 @@ def test_narrower_decode_tp_assembles_its_heads_from_several_ranks(preset):
         expect_v.append(v)
         window = HeadWindow(2, 0, 2, 2 * rank)
         decode_layers_into(codec, [(0, cache, layout, items(blocks, tokens, offs, buf, window))],
-                           buf)
+                           buf, impl=impl)
     k, v = layout.gather(cache, blocks, 0, tokens)
     assert torch.equal(k, torch.cat(expect_k, dim=1))
     assert torch.equal(v, torch.cat(expect_v, dim=1))
 
 
-def test_a_chunk_of_other_heads_is_refused_and_nothing_written():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_chunk_of_other_heads_is_refused_and_nothing_written(impl):
     codec = Codec("tq4", D, 2)
     buf, offs = staged(codec, gpu_style(2, seed=3), [0, 1], 32)
     cache = gpu_style(2, fill=GUARD)
     before = cache.clone()
     with pytest.raises(GeometryError, match="holds 2 KV heads"):
         decode_into(codec, 0, cache, PagedKVLayout.from_cache(cache),
-                    items([4, 5], 32, offs, buf, HeadWindow(4, 0, 2, 0)), buf)
+                    items([4, 5], 32, offs, buf, HeadWindow(4, 0, 2, 0)), buf, impl=impl)
     with pytest.raises(GeometryError, match="outside the cache"):
         decode_into(codec, 0, cache, PagedKVLayout.from_cache(cache),
-                    items([4, 5], 32, offs, buf, HeadWindow(2, 0, 2, 1)), buf)
+                    items([4, 5], 32, offs, buf, HeadWindow(2, 0, 2, 1)), buf, impl=impl)
     assert torch.equal(cache, before)
 
 
@@ -131,12 +143,13 @@ def test_a_window_must_lie_inside_the_chunk():
         HeadWindow(2, 1, 2, 0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("preset", ["raw", "tq4", "k8v4", "tq3"])
 @pytest.mark.parametrize("layout_kind", ["gpu", "cpu"])
-def test_a_run_of_heads_encodes_as_those_heads_alone(preset, layout_kind):
+def test_a_run_of_heads_encodes_as_those_heads_alone(preset, layout_kind, impl):
     """``EncodeItem.head_count``: a prefill rank staging one chunk per decode rank's heads. Each
-    run is the chunk of those heads alone (``codec.heads.split_heads`` of the whole chunk), on
-    every implementation's behalf ("auto" takes the reference for runs)."""
+    run is the chunk of those heads alone (``codec.heads.split_heads`` of the whole chunk),
+    on the reference path and through the Triton kernels."""
     from turbowire.codec.heads import split_heads
 
     codec = Codec(preset, D, 2)
@@ -151,11 +164,11 @@ def test_a_run_of_heads_encodes_as_those_heads_alone(preset, layout_kind):
         buf = torch.zeros(2 * size, dtype=torch.uint8)
         written = encode_into(codec, 0, cache, layout,
                               [EncodeItem(blocks, start, n, g * size, tag=7 + i, head_start=2 * g,
-                                          head_count=2) for g in range(2)], buf)
+                                          head_count=2) for g in range(2)], buf, impl=impl)
         assert written == [size, size]
         end = offs[i + 1] if i + 1 < len(offs) else whole.numel()
         want = split_heads(codec, 0, whole[offs[i]:end], 2)
         assert torch.equal(buf[:size], want[0]) and torch.equal(buf[size:], want[1])
     with pytest.raises(GeometryError, match="outside"):
         encode_into(codec, 0, cache, layout, [EncodeItem(blocks, 0, BS, 0, head_start=3,
-                                                         head_count=2)], buf)
+                                                         head_count=2)], buf, impl=impl)

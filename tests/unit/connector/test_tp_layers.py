@@ -136,3 +136,39 @@ def test_other_tp_sizes_load_what_an_equal_tp_load_writes(monkeypatch, preset, p
             assert read == max(1, per // run) * its_heads_bytes(d, run)
             if cut_for == decode_tp:
                 assert read == its_heads_bytes(d, per)
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4", "k8v4"])
+@pytest.mark.parametrize("prefill_tp,cut_for", [(1, 2), (1, 4), (2, 4)])
+def test_the_cuda_coder_stages_the_runs_the_host_coder_stages(monkeypatch, preset, prefill_tp,
+                                                               cut_for):
+    """A prefill engine with ``decode_tp_size`` on a GPU: the CUDA coder's Triton plans stage
+    each chunk as runs of heads (``EncodeLayersPlan(head_groups=)``; Triton's interpreter here),
+    byte for byte what the host coder stages, and report the same wire bytes."""
+    from support.fakes import use_cuda_coder
+
+    from turbowire.connector.metadata import TurboWireConnectorMetadata as Meta
+
+    src = model_caches(4)
+    host = stage(monkeypatch, preset, prefill_tp, src, cut_for)
+    for rank in range(prefill_tp):
+        p = worker(monkeypatch, preset, f"c{rank}", HEADS // prefill_tp,
+                   shard(src, prefill_tp, rank), prefill_tp, cut_for)
+        use_cuda_coder(p)
+        save = save_request("a", P_IDS, TOKENS, BS)
+        meta = Meta(saves=[save])
+        for layer in range(len(LAYERS)):
+            p.coder.save_layer(layer, meta)
+        tokens, wire = p.coder.finish_save(meta)
+        assert p.layout.head_groups > 1
+        h = host[rank]
+        assert tokens == TOKENS
+        assert wire == sum(h.chunk_nbytes(layer, min(BS, TOKENS - i * BS), i, run)
+                           for layer in range(len(LAYERS)) for i in range(len(P_IDS))
+                           for run in [HEADS // prefill_tp // p.layout.head_groups]
+                           ) * p.layout.head_groups
+        for b in save.blocks:
+            for layer in range(len(LAYERS)):
+                at = p.layout.chunk_offset(b.slot, layer)
+                size = p.layout.full_chunk_bytes[layer]
+                assert torch.equal(p.staging[at:at + size], h.staging[at:at + size]), (b, layer)
