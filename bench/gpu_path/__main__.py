@@ -27,23 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_path import check, groups, latent, state
+from bench.gpu_path import check, groups, latent, state, tp
 from bench.gpu_path.case import CaseConfig, case_ok, run_case
 from bench.gpu_path.load import DECODE_VARIANTS
-from bench.gpu_path.rig import DEVICE, PRESETS, SMOKE, STUBS, TOKENS
+from bench.gpu_path.rig import DEVICE, PRESETS, SMOKE, STUBS, TOKENS, fit
 
 COLUMNS = ["tokens", "preset", "fwd_ms", "save_%", "batch_%", "aa_%", "load_ms", "dec_ms",
            "load/dec", "exact"]
-
-
-def fit(value: float, width: int, decimals: int, sign: str = "") -> str:
-    """``value`` in at most ``width`` characters: fewer decimals first, then powers of ten (the
-    CPU smoke run's timings can be any size; the table stays within 80 columns)."""
-    for d in range(decimals, -1, -1):
-        text = f"{value:{sign}.{d}f}"
-        if len(text) <= width:
-            return text
-    return f"{value:{sign}.0e}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -81,6 +71,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="where held loads' landed -> finished goes (the connector's probe marks)")
     ap.add_argument("--encode-cap", type=int, default=0,
                     help="also time per-layer saves with the encoder capped at N registers")
+    ap.add_argument("--tp", action="store_true",
+                    help="also time the save with chunks cut per decode rank's heads "
+                         "(decode_tp_size 2 and 8) and a decode rank's window decode (tp.py)")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after which no further case starts (0: none)")
     args = ap.parse_args(argv)
@@ -106,7 +99,7 @@ def run_checks(presets: list[str], args: argparse.Namespace, report: dict[str, A
         return
     for preset in presets:
         for part in (check.connector_check, check.store_check, groups.groups_check,
-                     state.state_check, latent.latent_check):
+                     state.state_check, latent.latent_check, tp.tp_check):
             try:
                 report["checks"].append(part(preset, log))
             except Exception as exc:  # noqa: BLE001 - reported, the other parts still run
@@ -160,6 +153,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                              args.encode_cap, args.decode_variants, args.load_timeline)
             try:
                 report["results"].append(run_case(cfg, log))
+                if args.tp:
+                    report.setdefault("tp", []).append(tp.tp_save(tokens, preset, rounds, log))
             except Exception as exc:  # noqa: BLE001 - reported, the other cases still run
                 log(f"{tokens} {preset} failed: {exc}\n{traceback.format_exc()}")
                 report["failed_cases"] = [*report.get("failed_cases", []), cfg.tag]
@@ -177,6 +172,10 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
           f"{sum(bool(c.get('ok')) for c in report['checks'])}/{len(report['checks'])}, "
           f"cases {sum(case_ok(r) for r in cases)}/{len(cases)})", "", "```", table(cases),
           "```"]
+    if report.get("tp"):
+        md += ["", "Save with chunks cut per decode rank's heads (% of the forward; cutN: "
+               "decode_tp_size N), a TP 2 rank's window decode of its runs and the "
+               "reference's (ms):", "", "```", tp.table(report["tp"]), "```"]
     (args.out / "results.md").write_text("\n".join(md) + "\n")
     write()
     log("\n".join(md))

@@ -53,14 +53,18 @@ def layer_names(n: int) -> list[str]:
 # ------------------------------------------------------------------------------------------
 def make_worker(preset: str, role: str, engine_id: str, num_blocks: int, pool_bytes: int,
                 layers: int, heads: int, dim: int, groups: int = 8,
-                sliding: tuple[str, ...] = ()) -> TurboWireWorker:
+                sliding: tuple[str, ...] = (), tp_size: int = 1,
+                decode_tp_size: int = 0) -> TurboWireWorker:
     """A worker from stand-ins of vLLM's config objects, through its own constructor;
-    ``sliding``: layers in a second KV cache group (vLLM's hybrid KV cache manager)."""
+    ``sliding``: layers in a second KV cache group (vLLM's hybrid KV cache manager);
+    ``heads``: one rank's of a TP ``tp_size`` engine; ``decode_tp_size``: the config key (a
+    prefill engine cutting its chunks per decode rank's heads)."""
     extra = {"preset": preset, "staging_bytes": pool_bytes, "recv_bytes": pool_bytes,
-             "decode_pipeline_groups": groups, "nixl_progress_delay_us": 0}
+             "decode_pipeline_groups": groups, "nixl_progress_delay_us": 0,
+             "decode_tp_size": decode_tp_size}
     return fakes.build_worker(extra, layer_names(layers), engine_id=engine_id, kv_role=role,
                               block_size=BLOCK, num_kv_heads=heads, head_size=dim,
-                              num_blocks=num_blocks, sliding=sliding)
+                              num_blocks=num_blocks, sliding=sliding, tp_size=tp_size)
 
 
 def use_coder(w: TurboWireWorker, schedule: str = "layerwise",
@@ -157,10 +161,12 @@ class Forward:
     caches: dict[str, torch.Tensor]
     slot_mapping: torch.Tensor
     w: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_heads: int = 0  # the caches' KV heads (0: the model's)
 
     def __post_init__(self) -> None:
         h, i = MODEL["hidden"], MODEL["inter"]
-        kv = MODEL["kv_heads"] * MODEL["head_dim"]
+        self.kv_heads = self.kv_heads or MODEL["kv_heads"]
+        kv = self.kv_heads * MODEL["head_dim"]
         g = torch.Generator(device=DEVICE).manual_seed(1)
 
         def weight(a: int, b: int) -> torch.Tensor:
@@ -172,7 +178,7 @@ class Forward:
 
     def run(self, worker: TurboWireWorker | None, meta: Any) -> None:
         stand_in_layers(self.caches, self.w, self.x0, self.slot_mapping, hidden=MODEL["hidden"],
-                        kv_heads=MODEL["kv_heads"], head_dim=MODEL["head_dim"],
+                        kv_heads=self.kv_heads, head_dim=MODEL["head_dim"],
                         inter=MODEL["inter"], worker=worker, meta=meta)
         if worker is not None:
             worker.wait_for_save(meta)
@@ -209,3 +215,13 @@ def bench_ms(fn: Callable[[], Any]) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def fit(value: float, width: int, decimals: int, sign: str = "") -> str:
+    """``value`` in at most ``width`` characters: fewer decimals first, then powers of ten (the
+    CPU smoke run's timings can be any size; the table stays within 80 columns)."""
+    for d in range(decimals, -1, -1):
+        text = f"{value:{sign}.{d}f}"
+        if len(text) <= width:
+            return text
+    return f"{value:{sign}.0e}"

@@ -69,7 +69,7 @@ runpy.run_module("bench.gpu_path", run_name="__main__", alter_sys=True)
 
 def test_bench_gpu_path_smoke(tmp_path: Path) -> None:
     proc = bench_python(["-c", WITHOUT_VLLM, "--out", str(tmp_path),
-                         "--skip-kernel-check", "--load-timeline"])
+                         "--skip-kernel-check", "--load-timeline", "--tp"])
     if proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     md = (tmp_path / "results.md").read_text()
@@ -91,6 +91,13 @@ def test_bench_gpu_path_smoke(tmp_path: Path) -> None:
     latent = [c for c in report["checks"] if c.get("check") == "latent_check"]
     assert latent and all(c["ok"] and c["rope_exact"] and c["coder"] == "HostCoder"
                           for c in latent), latent
+    cut = [c for c in report["checks"] if c.get("check") == "tp_check"]
+    assert cut and all(c["ok"] and c["runs_bitexact"] and c["windows_bitexact"]
+                       and c["coder"] == "CudaCoder" and c["runs_per_chunk"] == 2
+                       for c in cut), cut
+    tp_table = md.split("```")[3].strip().splitlines()
+    assert tp_table[0].split()[:4] == ["tokens", "preset", "fwd_ms", "whole_%"]
+    assert len(tp_table) == 2 and max(len(line) for line in tp_table) <= 80
     case = report["results"][0]
     assert all(case["staging_equal"].values())
     assert case["decode_equal_held_loads"]
