@@ -40,7 +40,13 @@ from turbowire.codec.streams import StreamSpec, stream_layout
 from turbowire.codec.wire import DTYPE_CODES, parse_header, verify_body
 from turbowire.errors import TurboWireError
 from turbowire.kernels.cpu_attn_layout import CpuAttnKVLayout
-from turbowire.kernels.items import DecodeItem, EncodeItem, check_range
+from turbowire.kernels.items import (
+    DecodeItem,
+    EncodeItem,
+    HeadWindow,
+    check_chunk_heads,
+    check_range,
+)
 from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
 
 logger = logging.getLogger(__name__)
@@ -401,6 +407,30 @@ def _tiled_cache_struct(kv_cache: torch.Tensor, layout: CpuAttnKVLayout) -> tupl
     return c, keep
 
 
+def _head_run(cache: _Cache, start: int, count: int, elem: int) -> _Cache:
+    """The cache's heads [start, start + count) as a cache of their own: its planes start
+    ``start`` heads in, the strides (and a tiled layout's slot/dim tables) unchanged."""
+    run = _Cache.from_buffer_copy(cache)
+    run.k = cache.k + start * cache.k_stride[2] * elem
+    run.v = cache.v + start * cache.v_stride[2] * elem
+    run.num_heads = count
+    return run
+
+
+def whole_window(items: Sequence[DecodeItem]) -> HeadWindow | None:
+    """The one head window every item of a decode call shares when the C decoder can write it:
+    a whole chunk at an offset of the cache's heads (a run staged for this rank, or a narrower
+    prefill rank's chunk); None otherwise (no window, windows that differ, or a part of the
+    chunk's heads: the reference slices those)."""
+    windows = {item.heads for item in items}
+    if len(windows) != 1:
+        return None
+    (w,) = windows
+    if w is None or w.src_start != 0 or w.count != w.src_heads:
+        return None
+    return w
+
+
 def _ids(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
     if isinstance(block_ids, torch.Tensor):
         return np.ascontiguousarray(block_ids.detach().reshape(-1).cpu().numpy().astype(np.int64))
@@ -445,7 +475,36 @@ def encode_into(
     items: Sequence[EncodeItem],
     staging: torch.Tensor,
 ) -> list[int]:
-    """Gather and encode every item into ``staging`` (all validated before the first write)."""
+    """Gather and encode every item into ``staging`` (all validated before the first write).
+    Items of a run of heads (``head_count``) are coded as a cache of those heads alone, one C
+    call per distinct run."""
+    if any(item.head_count for item in items):
+        return _encode_runs(codec, layer, kv_cache, layout, items, staging)
+    return _encode(codec, layer, kv_cache, layout, items, staging)
+
+
+def _encode_runs(codec: Codec, layer: int, kv_cache: torch.Tensor, layout: PagedKVLayout,
+                 items: Sequence[EncodeItem], staging: torch.Tensor) -> list[int]:
+    runs: dict[tuple[int, int], list[int]] = {}
+    for i, item in enumerate(items):
+        count = item.head_count or layout.num_heads
+        if item.head_start + count > layout.num_heads:
+            raise GeometryError(f"heads {item.head_start}+{item.head_count} outside the "
+                                f"cache's {layout.num_heads}")
+        runs.setdefault((item.head_start, count), []).append(i)
+    written = [0] * len(items)
+    for (start, count), pick in runs.items():
+        sizes = _encode(codec, layer, kv_cache, layout, [items[i] for i in pick], staging,
+                        heads=(start, count))
+        for i, n in zip(pick, sizes, strict=True):
+            written[i] = n
+    return written
+
+
+def _encode(codec: Codec, layer: int, kv_cache: torch.Tensor, layout: PagedKVLayout,
+            items: Sequence[EncodeItem], staging: torch.Tensor,
+            heads: tuple[int, int] | None = None) -> list[int]:
+    """One C call; ``heads``: (start, count) of the cache's heads the items code."""
     lib = _require()
     if not items:
         return []
@@ -459,6 +518,8 @@ def encode_into(
         items, [int(i.out_offset) for i in items], [0] * len(items), [int(i.tag) for i in items]
     )
     cache, tables = _cache_struct(kv_cache, layout)
+    if heads is not None:
+        cache = _head_run(cache, heads[0], heads[1], kv_cache.element_size())
     err = _Error()
     rc = lib.tw_encode(
         ctypes.byref(cstruct),
@@ -484,10 +545,20 @@ def decode_into(
     source: torch.Tensor,
 ) -> None:
     """Verify every item (header, checksums, compatibility, destination), then decode and
-    scatter them all; nothing is written if any item fails."""
+    scatter them all; nothing is written if any item fails. Items with a head window must
+    share one ``whole_window`` (the chunk's heads written at that offset of the cache's)."""
     lib = _require()
     if not items:
         return
+    window = None
+    if any(item.heads is not None for item in items):
+        window = whole_window(items)
+        if window is None:
+            raise ValueError("the C decoder writes whole chunks: one shared window of a "
+                             "chunk's every head (else the reference)")
+        if window.dst_start + window.count > layout.num_heads:
+            raise GeometryError(f"head window {window} outside the cache's "
+                                f"{layout.num_heads} heads")
     cstruct = _codec_for(codec, layer)
     for it in items:
         if not _fits_int64(it.token_start, it.num_tokens, it.in_offset, it.nbytes):
@@ -499,6 +570,8 @@ def decode_into(
         items, [int(i.in_offset) for i in items], [int(i.nbytes) for i in items], tags
     )
     cache, tables = _cache_struct(kv_cache, layout)
+    if window is not None:
+        cache = _head_run(cache, window.dst_start, window.count, kv_cache.element_size())
     err = _Error()
     rc = lib.tw_decode(
         ctypes.byref(cstruct),
@@ -561,6 +634,8 @@ def _raise_decode(
         layout.token_index(item.block_ids, item.token_start, item.num_tokens)
         raise BlockIndexError(f"bad block ids or token range in {where}")
     elif err.code == E_HEADS:
+        if item.heads is not None:  # the reference's words for a window's chunk
+            check_chunk_heads(layer, int(err.detail), item.heads)
         raise IncompatiblePayloadError(
             f"chunk of {where} has {err.detail} KV heads, the cache has {layout.num_heads}"
         )

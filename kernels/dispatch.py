@@ -15,8 +15,9 @@ Implementations, chosen per call by ``impl`` ("auto" unless a test or benchmark 
   (``impl="reference"``), and for an MLA layer's cache (a ``LatentPages`` layout: latent
   chunks, ``kernels/latent.py``) on any device. Items with a head window (``DecodeItem.heads``:
   another TP size's chunks) and items that encode a run of heads (``EncodeItem.head_count``: a
-  chunk per decode rank's heads) take Triton where it applies, else the reference
-  (``kernels/heads.py``): the C codec codes whole chunks only.
+  chunk per decode rank's heads) take Triton where it applies; on CPU the C codec codes runs
+  of heads and writes windows of a chunk's every head (a run staged for this rank, a narrower
+  prefill rank's chunk), the reference (``kernels/heads.py``) a part of a chunk's heads.
 
 All of them write the same bytes and raise the same exceptions. The items and their range check
 live in ``kernels/items.py``; the implementations import them from there, never from here.
@@ -96,9 +97,7 @@ def encode_into(
         return triton_launch.encode_into(
             codec, layer, kv_cache, layout, items, staging, kernel_config, kv_scales=scales
         )
-    runs = any(item.head_count for item in items)  # the C codec codes whole chunks only
-    if (scales is None or impl == "cpu") and not runs \
-            and _use_cpu(impl, codec, kv_cache, layout, staging):
+    if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, staging):
         return cpu_binding.encode_into(codec, layer, kv_cache, layout, items, staging)
     written = []
     for item in items:
@@ -147,11 +146,15 @@ def decode_into(
         triton_launch.decode_into(codec, layer, kv_cache, layout, items, source, kernel_config,
                                     kv_scales=scales)
         return
-    if any(item.heads is not None for item in items):  # another TP size's chunks
+    windows = any(item.heads is not None for item in items)  # another TP size's chunks
+    if windows and cpu_binding.whole_window(items) is None:  # a part of the chunks' heads
         decode_heads_into(codec, layer, kv_cache, layout, items, source, scales)
         return
     if (scales is None or impl == "cpu") and _use_cpu(impl, codec, kv_cache, layout, source):
         cpu_binding.decode_into(codec, layer, kv_cache, layout, items, source)
+        return
+    if windows:
+        decode_heads_into(codec, layer, kv_cache, layout, items, source, scales)
         return
     decoded = []
     for item in items:

@@ -1,12 +1,13 @@
 """Head windows (``DecodeItem.heads``): a decode rank of another TP size than the prefill rank
 that staged a chunk writes exactly its share of the chunk's heads, at its own heads' offset,
 and leaves every other head and token alone; a chunk of other heads than the window expects is
-refused with nothing written. Checked against the whole chunk decoded by the reference, on the
-reference path ("auto" on a CPU cache) and the Triton kernels (Triton's interpreter on CPU: the
-same kernels serve CUDA caches), which must write the same bits.
+refused with nothing written. Checked against the whole chunk decoded by the reference, on every
+path, which must write the same bits: the reference, the C codec (it writes windows of a chunk's
+every head; a part of a chunk's heads falls to the reference) and the Triton kernels (Triton's
+interpreter on CPU: the same kernels serve CUDA caches).
 
 Runs of heads (``EncodeItem.head_count``): each run's chunk is that of those heads alone, byte
-for byte, on both paths."""
+for byte, on every path."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def whole(codec: Codec, buf: torch.Tensor, offs: list[int], blocks: list[int], t
     return PagedKVLayout.from_cache(ref).gather(ref, blocks, 0, tokens)
 
 
-IMPLS = ["auto", "triton"]
+# "auto" on these CPU caches: the C codec where it serves the call, else the reference
+IMPLS = ["auto", "reference", "cpu", "triton"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -172,3 +172,35 @@ def test_the_cuda_coder_stages_the_runs_the_host_coder_stages(monkeypatch, prese
                 at = p.layout.chunk_offset(b.slot, layer)
                 size = p.layout.full_chunk_bytes[layer]
                 assert torch.equal(p.staging[at:at + size], h.staging[at:at + size]), (b, layer)
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4"])
+def test_a_decode_engine_unaware_of_the_cut_is_refused_with_nothing_written(monkeypatch, preset):
+    """A decode engine that does not know the prefill engine cut its chunks (as an older
+    turbowire, which ignores the handshake's ``head_groups``) reads whole-chunk sizes: the
+    first run's header names fewer heads than its cache holds, so the decode refuses the chunk
+    and writes nothing (the load fails and vLLM recomputes those blocks)."""
+    from turbowire.errors import TurboWireError
+
+    src = model_caches(5)
+    (p,) = stage(monkeypatch, preset, 1, src, decode_tp=2)
+    assert p.layout.head_groups == 2
+    dst = guards(HEADS)
+    before = {n: t.clone() for n, t in dst.items()}
+    d = worker(monkeypatch, preset, "old", HEADS, dst)
+    save = save_request("a", P_IDS, TOKENS, BS)
+    load = load_request("d", save, D_IDS, preset, PeerAddress("p", "h", 1, 1))
+    sizes = chunk_sizes(load.blocks, len(LAYERS), d.chunk_nbytes)  # whole chunks, uncut
+    flat = sizes.reshape(-1)
+    offsets = ChunkOffsets((flat.cumsum() - flat).reshape(sizes.shape), sizes,
+                           layer_groups(len(LAYERS), 1), [])
+    for layer in range(len(LAYERS)):
+        for bi, b in enumerate(load.blocks):
+            off, size = offsets[(bi, layer)]
+            at = p.layout.chunk_offset(b.slot, layer)
+            d.recv[off:off + size] = p.staging[at:at + size]
+    with pytest.raises(TurboWireError, match="heads"):
+        for layers in offsets.groups:
+            d.coder.decode(load, layers, 0, offsets).result()
+    for n in LAYERS:
+        assert torch.equal(dst[n], before[n]), n
