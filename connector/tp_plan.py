@@ -119,14 +119,15 @@ def head_sources(total_heads: int, prefill_tp: int, decode_tp: int, decode_rank:
 def model_kv_heads(geometry: KVGeometry, tp_size: int, total_kv_heads: int) -> tuple[int, ...]:
     """The model's KV heads per layer over all ranks, for the compatibility record: a K/V layer
     holds ``total_kv_heads`` (vLLM's ``get_total_num_kv_heads``) when this rank's share is what
-    vLLM gives it, an MLA layer its latent vectors (the same on every rank); 0 where no other
-    TP size can read the layer (a Mamba / linear-attention state, a drafter's layer, a share
-    that does not match)."""
+    vLLM gives it (a drafter's layer too: vLLM shards an EAGLE drafter's heads as the target's),
+    an MLA layer its latent vectors (the same on every rank); 0 where no other TP size can read
+    the layer (a Mamba / linear-attention state, a share that does not match: a drafter of
+    other heads)."""
     out = []
     for layer in geometry.layers:
         if layer.is_latent:
             out.append(layer.num_kv_heads)
-        elif (layer.is_state or layer.is_draft or total_kv_heads < 1
+        elif (layer.is_state or total_kv_heads < 1
               or layer.num_kv_heads != max(1, total_kv_heads // tp_size)):
             out.append(0)
         else:
@@ -148,17 +149,17 @@ def tp_refusal(ours: CompatibilityRecord, theirs: CompatibilityRecord) -> str | 
         if len(heads) != len(record.kv_heads):  # a peer's record: never indexed past its end
             return (f"a record lists the model's heads of {len(heads)} layers and a rank's "
                     f"heads of {len(record.kv_heads)}")
-        if record.num_draft_layers:
-            return ("a drafter's KV moves with the target's, which is supported at equal TP "
-                    "sizes only")
         unread = [i for i, h in enumerate(heads) if h == 0]
         if any(record.kv_heads[i] == 0 for i in unread):  # a state layer holds no KV heads
             return ("this model's Mamba / linear-attention state moves per rank, which is "
                     "supported at equal TP sizes only")
         if unread:
+            drafter = (" (a drafter's KV moves at other TP sizes only where its heads are the "
+                       "target's and both sides' turbowire maps them: an older one does not)"
+                       if record.num_draft_layers else "")
             return (f"a TP {record.tp_size} engine's layer {unread[0]} holds "
                     f"{record.kv_heads[unread[0]]} KV heads per rank, not vLLM's share of the "
-                    "model's heads (equal TP sizes only)")
+                    f"model's heads (equal TP sizes only){drafter}")
         if len(set(heads)) != 1:
             return "this model's layers hold different KV head counts (equal TP sizes only)"
     if ours.rope_dim or theirs.rope_dim:  # an MLA latent: every rank holds all of it

@@ -7,7 +7,9 @@ KV heads split 1 per rank at TP 2, so
   chunks and each decode rank reads only its own (half the bytes of the above).
 
 and the tiny DeepSeek-V2-style MLA model, whose latent rows every rank holds whole: at P TP=1 ->
-D TP=2 each decode rank reads the whole latent chunks from the one prefill rank.
+D TP=2 each decode rank reads the whole latent chunks from the one prefill rank. With a tiny
+EAGLE drafter on both engines (``llama+eagle``), the drafter's attention layer, whose heads vLLM
+shards as the target's, is cut and read like the target's layers and the decode engine drafts.
 
 The engines run in the test's session (``turbowire.serving.launch``): the TP 2 engine's ranks
 busy-wait on both cores while a request waits for its KV, which starved an engine started in a
@@ -23,6 +25,7 @@ completion is produced from the loaded (coded) KV."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -33,7 +36,7 @@ from test_presets_e2e import HEAD_DIM, KV_HEADS, LAYERS
 
 from turbowire.codec import Codec
 from turbowire.codec.latent import latent_nbytes
-from turbowire.models import ensure_tiny_model
+from turbowire.models import ensure_tiny_eagle, ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +46,7 @@ TOP = 20  # logprobs compared per position
 # Llama <= 0.0078 between a load at D TP 2 and the TP 1 engine alone; the sharper MLA model, whose
 # logits move in bf16 steps of 1/32, <= 0.123 between TP 1 and TP 2 engines answering alone,
 # without any transfer, and <= 0.092 between a load at D TP 2 and the TP 1 engine alone)
-NOISE = {"llama": 0.05, "deepseek-v2": 0.25}
+NOISE = {"llama": 0.05, "llama+eagle": 0.05, "deepseek-v2": 0.25}
 
 
 def wire_bytes(arch: str, preset: str, n: int, prefill_tp: int, decode_tp: int,
@@ -57,10 +60,11 @@ def wire_bytes(arch: str, preset: str, n: int, prefill_tp: int, decode_tp: int,
         codec = Codec(preset, 128, 4)
         return decode_tp * sum(latent_nbytes(codec, layer, t, 512, 64, start)
                                for layer in range(4) for start, t in tokens)
-    codec = Codec(preset, HEAD_DIM, LAYERS)
+    layers = LAYERS + (arch == "llama+eagle")  # the EAGLE drafter's one attention layer
+    codec = Codec(preset, HEAD_DIM, layers)
     heads = KV_HEADS // (decode_tp if cut else prefill_tp)
     return max(prefill_tp, decode_tp) * sum(codec.encoded_nbytes(layer, t, heads, start)
-                                            for layer in range(LAYERS) for start, t in tokens)
+                                            for layer in range(layers) for start, t in tokens)
 
 
 def first_token_logprobs(out: dict) -> dict[str, float]:
@@ -72,15 +76,23 @@ def first_token_logprobs(out: dict) -> dict[str, float]:
 # bit for bit); the MLA model where decode ranks outnumber prefill ranks
 @pytest.mark.parametrize("arch,prefill_tp,decode_tp,preset,cut", [
     ("llama", 1, 2, "raw", False), ("llama", 1, 2, "raw", True), ("llama", 2, 1, "raw", False),
-    ("llama", 1, 2, "tq4", True), ("deepseek-v2", 1, 2, "raw", False)])
+    ("llama", 1, 2, "tq4", True), ("deepseek-v2", 1, 2, "raw", False),
+    ("llama+eagle", 1, 2, "raw", True)])
 def test_engines_of_other_tp_sizes_hand_the_prompt_over(arch, prefill_tp, decode_tp, preset,
                                                         cut, tiny_model, engine_slot,
                                                         tmp_path_factory):
-    model, staging = ((tiny_model, staging_bytes_for(preset, 48)) if arch == "llama"
-                      else (ensure_tiny_model(arch), 64 << 20))
+    layers = LAYERS + (arch == "llama+eagle")  # the EAGLE drafter's one attention layer
+    model, staging = ((tiny_model, staging_bytes_for(preset, 48, layers))
+                      if arch.startswith("llama") else (ensure_tiny_model(arch), 64 << 20))
+    args: tuple[str, ...] = ()
+    if arch == "llama+eagle":  # both engines draft (the prefill engine stages the draft KV)
+        args = ("--speculative-config", json.dumps(
+            {"method": "eagle", "model": str(ensure_tiny_eagle(tiny_model)),
+             "num_speculative_tokens": 3}))
     logs = tmp_path_factory.mktemp(f"logs-{arch}-tp{prefill_tp}{decode_tp}-{preset}")
     group, stack = start_stack(model, preset, logs, staging, tp=(prefill_tp, decode_tp),
-                               extra={"decode_tp_size": decode_tp} if cut else None)
+                               extra={"decode_tp_size": decode_tp} if cut else None,
+                               extra_args=args)
     try:
         block = engine_block_size(stack.decode.url)  # MLA backends choose their own
         assert block == engine_block_size(stack.prefill.url)
@@ -93,10 +105,12 @@ def test_engines_of_other_tp_sizes_hand_the_prompt_over(arch, prefill_tp, decode
             assert load["tokens"] == n, load
             # vLLM CPU's MLA backends pick the block size (16, or the 32 asked with AMX); at
             # D TP 2 the cache_config_info gauge once said 32 where the chunks were of 16 tokens
-            sizes = {block} if arch == "llama" else {block, 16, 32}
+            sizes = {block} if arch.startswith("llama") else {block, 16, 32}
             assert load["wire_bytes"] in {wire_bytes(arch, preset, n, prefill_tp, decode_tp, b,
                                                      cut) for b in sizes}, load
             assert out["choices"][0]["text"].strip(), "a completion must be produced"
+            if arch == "llama+eagle":
+                assert load["spec_drafted_tokens"] > 0, load
             if preset != "raw":
                 continue
             alone = stack.complete(stack.prefill.url, prompt, max_tokens=1, logprobs=TOP)

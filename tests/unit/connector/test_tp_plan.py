@@ -72,12 +72,13 @@ def test_an_mla_latent_is_read_whole_from_one_rank():
     assert head_sources(4, 2, 4, 3, replicated=True)[0].whole
 
 
-def geometry(heads: int, *, draft: bool = False, rope: int = 0, state: bool = False
-             ) -> KVGeometry:
+def geometry(heads: int, *, draft: bool = False, rope: int = 0, state: bool = False,
+             draft_heads: int = 0) -> KVGeometry:
     layers = [LayerSpec(f"model.layers.{i}.self_attn.attn", heads, 64, rope_dim=rope)
               for i in range(2)]
     if draft:
-        layers.append(LayerSpec("model.layers.2.self_attn.attn", heads, 64, is_draft=True))
+        layers.append(LayerSpec("model.layers.2.self_attn.attn", draft_heads or heads, 64,
+                                is_draft=True))
     if state:
         # a state layer holds no KV heads (as connector.geometry builds it)
         layers.append(LayerSpec("model.layers.3.mixer", 0, 0, group=1, state_bytes=4096))
@@ -101,8 +102,21 @@ def test_records_of_other_tp_sizes_compare_the_models_heads():
     assert load_plan(record(2), 2, 1, replicated=False) == [HeadSource.same_rank(1)]
 
 
+def test_a_drafter_sharded_as_the_target_moves_at_other_tp_sizes():
+    """An EAGLE drafter's attention layer: vLLM shards its heads as the target's, so its chunks
+    cut and window like the target's; a drafter of other heads is refused, naming it."""
+    ours, theirs = record(1, draft=True), record(2, draft=True)
+    assert ours.model_kv_heads == (4, 4, 4) and ours.num_draft_layers == 1
+    assert tp_refusal(ours, theirs) is None and ours.mismatch(theirs) is None
+    assert peer_refusal(ours, 2) is None
+    odd = dataclasses.replace(theirs, kv_heads=(2, 2, 1), model_kv_heads=(4, 4, 0))
+    why = tp_refusal(ours, odd)
+    assert "layer 2 holds 1 KV heads per rank" in why and "drafter" in why
+    older = dataclasses.replace(theirs, model_kv_heads=(4, 4, 0))  # maps no drafter's heads
+    assert "older one does not" in tp_refusal(ours, older)
+
+
 @pytest.mark.parametrize("kind,why", [
-    ({"draft": True}, "drafter"),
     ({"state": True}, "Mamba"),
 ])
 def test_what_other_tp_sizes_cannot_exchange_is_refused_by_name(kind, why):
