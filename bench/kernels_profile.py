@@ -7,6 +7,7 @@ tq4 encode, verify + tq4 decode) are profiled. Prints each launch's time for ref
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -18,7 +19,10 @@ from turbowire.kernels.triton_launch import DecodePlan, EncodePlan
 
 
 def main() -> int:
-    presets = sys.argv[1:] or ["raw", "tq4"]
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels_profile",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("presets", nargs="*", default=["raw", "tq4"])
+    presets = ap.parse_args().presets
     geom = kb.MODELS["Llama-3.1-8B"]
     layers, heads, dim = geom["layers"], geom["heads"], geom["dim"]
     nreq = kb.TOKENS // kb.BLOCK

@@ -24,11 +24,14 @@ from pathlib import Path
 
 import httpx
 
-# the local Prometheus is a test helper (tests/support/), not part of the installed package:
-# importable as ``tests.support`` when run from the repository root (``python -m bench...``)
-from tests.support.prometheus_local import LocalPrometheus
-from turbowire.metrics_summary import logged_ratio, logged_transfer_totals
-from turbowire.serving.launch import (
+# the local Prometheus is a test helper (tests/support/), not part of the installed package. It
+# is imported as ``support``, as the tests import it: a package of vLLM's dependency tree
+# installs a top-level ``tests`` package, which shadows the repository's ``tests`` folder
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.prometheus_local import LocalPrometheus  # noqa: E402
+
+from turbowire.metrics_summary import logged_ratio, logged_transfer_totals  # noqa: E402
+from turbowire.serving.launch import (  # noqa: E402
     EngineSpec,
     ProcessGroup,
     engine_lock,

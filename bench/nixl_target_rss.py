@@ -7,9 +7,9 @@ the target, twice, and this prints the target's RSS growth per round (bench/RESU
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
-import sys
 
 import numpy as np
 import torch
@@ -37,7 +37,13 @@ def target(q_meta: mp.Queue, q_cmd: mp.Queue, q_out: mp.Queue) -> None:
 
 
 def main() -> None:
-    reads, descs, size = (int(a) for a in sys.argv[1:4])
+    ap = argparse.ArgumentParser(prog="python -m bench.nixl_target_rss",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("reads", type=int, help="READs per round")
+    ap.add_argument("descs", type=int, help="descriptors per READ")
+    ap.add_argument("size", type=int, help="bytes per descriptor")
+    args = ap.parse_args()
+    reads, descs, size = args.reads, args.descs, args.size
     mp.set_start_method("spawn")
     q_meta, q_cmd, q_out = mp.Queue(), mp.Queue(), mp.Queue()
     proc = mp.Process(target=target, args=(q_meta, q_cmd, q_out))

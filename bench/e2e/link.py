@@ -12,6 +12,7 @@ of the namespace made here are used. Needs root (``ip``/``tc``).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -286,13 +287,20 @@ print("RESULT", total, t1 - t0, flush=True)
 """
 
 
+def _rate(text: str) -> float | None:
+    return None if text == "none" else float(text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m turbowire.bench_e2e.link [rates...]``: create a link, measure each rate, remove
-    it."""
+    """``python -m bench.e2e.link [rates...]``: create a link, measure each rate, remove it."""
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.e2e.link",
+        description="Create a rate-limited veth link (needs root), measure each rate over it, "
+                    "remove it.")
+    ap.add_argument("rates", nargs="*", type=_rate, default=[0.2, 1.0, 10.0, None],
+                    help="Gbit/s per measurement, 'none' for unshaped (default: 0.2 1 10 none)")
+    rates: list[float | None] = ap.parse_args(argv).rates
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = argv if argv is not None else sys.argv[1:]
-    rates: list[float | None] = (
-        [None if a == "none" else float(a) for a in args] or [0.2, 1.0, 10.0, None])
     with EmulatedLink() as link:
         for rate in rates:
             link.set_rate(rate)
