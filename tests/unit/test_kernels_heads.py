@@ -20,6 +20,7 @@ from turbowire.kernels import (
     DecodeItem,
     EncodeItem,
     HeadWindow,
+    KernelConfig,
     PagedKVLayout,
     decode_into,
     decode_layers_into,
@@ -73,8 +74,18 @@ def whole(codec: Codec, buf: torch.Tensor, offs: list[int], blocks: list[int], t
     return PagedKVLayout.from_cache(ref).gather(ref, blocks, 0, tokens)
 
 
-# "auto" on these CPU caches: the C codec where it serves the call, else the reference
-IMPLS = ["auto", "reference", "cpu", "triton"]
+# "auto" on these CPU caches: the C codec where it serves the call, else the reference;
+# "triton-by-head": the verify pass then one program per (chunk, stream, head), the decode of
+# long chunks (here forced for every chunk)
+IMPLS = ["auto", "reference", "cpu", "triton", "triton-by-head"]
+BY_HEAD = KernelConfig(decode_heads_from=1, verify_warps=1, verify_words=16)
+
+
+def kw(impl: str) -> dict:
+    """The front door's keyword arguments for ``impl``."""
+    if impl == "triton-by-head":
+        return {"impl": "triton", "kernel_config": BY_HEAD}
+    return {"impl": impl}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -91,7 +102,7 @@ def test_wider_decode_tp_takes_its_share_of_each_chunk(preset, make_cache, impl)
         layout = PagedKVLayout.from_cache(cache)
         decode_into(codec, 0, cache, layout,
                     items(dst_blocks, tokens, offs, buf, HeadWindow(4, 2 * rank, 2, 0)), buf,
-                    impl=impl)
+                    **kw(impl))
         k, v = layout.gather(cache, dst_blocks, 0, tokens)
         assert torch.equal(k, k_all[:, 2 * rank:2 * rank + 2])
         assert torch.equal(v, v_all[:, 2 * rank:2 * rank + 2])
@@ -119,7 +130,7 @@ def test_narrower_decode_tp_assembles_its_heads_from_several_ranks(preset, impl)
         expect_v.append(v)
         window = HeadWindow(2, 0, 2, 2 * rank)
         decode_layers_into(codec, [(0, cache, layout, items(blocks, tokens, offs, buf, window))],
-                           buf, impl=impl)
+                           buf, **kw(impl))
     k, v = layout.gather(cache, blocks, 0, tokens)
     assert torch.equal(k, torch.cat(expect_k, dim=1))
     assert torch.equal(v, torch.cat(expect_v, dim=1))
@@ -133,10 +144,10 @@ def test_a_chunk_of_other_heads_is_refused_and_nothing_written(impl):
     before = cache.clone()
     with pytest.raises(GeometryError, match="holds 2 KV heads"):
         decode_into(codec, 0, cache, PagedKVLayout.from_cache(cache),
-                    items([4, 5], 32, offs, buf, HeadWindow(4, 0, 2, 0)), buf, impl=impl)
+                    items([4, 5], 32, offs, buf, HeadWindow(4, 0, 2, 0)), buf, **kw(impl))
     with pytest.raises(GeometryError, match="outside the cache"):
         decode_into(codec, 0, cache, PagedKVLayout.from_cache(cache),
-                    items([4, 5], 32, offs, buf, HeadWindow(2, 0, 2, 1)), buf, impl=impl)
+                    items([4, 5], 32, offs, buf, HeadWindow(2, 0, 2, 1)), buf, **kw(impl))
     assert torch.equal(cache, before)
 
 
@@ -166,11 +177,36 @@ def test_a_run_of_heads_encodes_as_those_heads_alone(preset, layout_kind, impl):
         buf = torch.zeros(2 * size, dtype=torch.uint8)
         written = encode_into(codec, 0, cache, layout,
                               [EncodeItem(blocks, start, n, g * size, tag=7 + i, head_start=2 * g,
-                                          head_count=2) for g in range(2)], buf, impl=impl)
+                                          head_count=2) for g in range(2)], buf, **kw(impl))
         assert written == [size, size]
         end = offs[i + 1] if i + 1 < len(offs) else whole.numel()
         want = split_heads(codec, 0, whole[offs[i]:end], 2)
         assert torch.equal(buf[:size], want[0]) and torch.equal(buf[size:], want[1])
     with pytest.raises(GeometryError, match="outside"):
         encode_into(codec, 0, cache, layout, [EncodeItem(blocks, 0, BS, 0, head_start=3,
-                                                         head_count=2)], buf, impl=impl)
+                                                         head_count=2)], buf, **kw(impl))
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton", "triton-by-head"])
+def test_a_window_into_an_fp8_cache_writes_what_the_whole_chunk_does(impl):
+    """An fp8 cache (vLLM ``--kv-cache-dtype fp8``) with its layer scales: a window writes the
+    e4m3 bits the whole chunk's decode writes for those heads, nothing else."""
+    codec = Codec("tq4", D, 2)
+    tokens, blocks = 40, [5, 1, 6]
+    buf, offs = staged(codec, gpu_style(4, seed=2), [0, 2, 3], tokens)
+    scales = (0.5, 0.25)
+    full = torch.zeros(2, NB, BS, 4, D, dtype=torch.float8_e4m3fn)
+    decode_into(codec, 0, full, PagedKVLayout.from_cache(full),
+                items(blocks, tokens, offs, buf, None), buf, impl="reference", kv_scales=scales)
+    for rank in range(2):
+        cache = torch.full((2, NB, BS, 2, D), GUARD, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        before = cache.clone()
+        decode_into(codec, 0, cache, PagedKVLayout.from_cache(cache),
+                    items(blocks, tokens, offs, buf, HeadWindow(4, 2 * rank, 2, 0)), buf,
+                    kv_scales=scales, **kw(impl))
+        want = before.clone()
+        flat_w = want.view(2, NB * BS, 2, D)
+        flat_f = full.view(2, NB * BS, 4, D)
+        slots = torch.tensor([blocks[t // BS] * BS + t % BS for t in range(tokens)])
+        flat_w[:, slots] = flat_f[:, slots, 2 * rank:2 * rank + 2]
+        assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)), rank
