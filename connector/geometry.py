@@ -340,6 +340,23 @@ class StagingLayout:
     def pool_bytes(self) -> int:
         return self.slot_bytes * self.num_slots
 
+    def state_note(self, geometry: KVGeometry) -> str | None:
+        """What a hybrid model's state costs the pool, when it is most of every slot: each slot
+        reserves room for every state layer's chunk, though only a request's last block moves
+        one (None when the state takes less than half of a slot)."""
+        state = sum(size for size, layer in zip(self.full_chunk_bytes, geometry.layers,
+                                                strict=True) if layer.is_state)
+        if 2 * state < self.slot_bytes:
+            return None
+        layers = sum(layer.is_state for layer in geometry.layers)
+        mib = 1 << 20
+        return (f"each staging slot reserves {state / mib:.1f} of its {self.slot_bytes / mib:.1f} "
+                f"MiB for the state of {layers} Mamba / linear-attention layers, which moves once "
+                f"per request (with its last block): the {self.pool_bytes / mib:.0f} MiB pool "
+                f"holds {self.num_slots} blocks ({self.num_slots * self.block_size} tokens of "
+                "prompts awaiting their decode engine); raise staging_bytes for longer prompts "
+                "or more of them")
+
     def chunk_offset(self, slot: int, layer: int) -> int:
         """Byte offset of (slot, layer) in the pool; raises on out-of-range input from peers."""
         if not 0 <= slot < self.num_slots:

@@ -129,6 +129,9 @@ class TurboWireScheduler:
             self.layout.num_slots,
             self.layout.slot_bytes,
         )
+        note = self.layout.state_note(self.geometry) if self.is_producer else None
+        if note:
+            logger.warning("turbowire staging: %s", note)
 
     # ------------------------------------------------------------------ lifecycle
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:

@@ -164,6 +164,32 @@ def test_a_hybrid_models_state_layers_follow_its_attention_layers(mode):
     assert chunk_nbytes(codec, geo, 3, 5, 0) == chunk_nbytes(codec, geo, 3, 32, 7) == 32 + 17920
 
 
+def test_a_slot_mostly_reserved_for_state_is_said_at_start():
+    """Every staging slot reserves room for each state layer's chunk (only a request's last
+    block moves one): when that is most of a slot, the prefill engine says so with the blocks
+    the pool holds; a plain model, or a state that is a small part, says nothing."""
+    from turbowire.connector.codecs import chunk_nbytes, make_codec
+    from turbowire.connector.geometry import StagingLayout
+
+    geo = KVGeometry.from_kv_cache_config(hybrid_config())
+    codec = make_codec("tq4", geo)
+
+    def sizer(layer: int, tokens: int, heads: int) -> int:
+        return chunk_nbytes(codec, geo, layer, tokens, 0)
+
+    layout = StagingLayout.build(geo, sizer, 8 << 20)
+    note = layout.state_note(geo)
+    assert note is not None and "state of 2 Mamba / linear-attention layers" in note
+    assert f"holds {layout.num_slots} blocks ({layout.num_slots * 32} tokens" in note
+    plain = KVGeometry.from_kv_cache_config(KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"],
+                                          FullAttentionSpec(**SHAPE))]))
+    pcodec = make_codec("tq4", plain)
+    assert StagingLayout.build(plain, lambda i, t, h: chunk_nbytes(pcodec, plain, i, t, 0),
+                               8 << 20).state_note(plain) is None
+
+
 def test_speculative_decoding_on_a_hybrid_is_refused():
     with pytest.raises(GeometryError, match="speculative decoding on a hybrid model"):
         KVGeometry.from_kv_cache_config(hybrid_config(spec_blocks=2))
