@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from turbowire.bench_e2e.client import stream_completion
 from turbowire.bench_e2e.engines import ConnectorConfig, EngineSettings, EngineStartError
 from turbowire.bench_e2e.link import EmulatedLink
 from turbowire.bench_e2e.model import BenchModelSpec, ensure_bench_model, vocab_size_of
@@ -47,7 +48,6 @@ from turbowire.bench_e2e.serve import (
     load1,
     para,
     reset_prefix_caches,
-    stream_completion,
     text_table,
     warm_up,
 )

@@ -31,13 +31,13 @@ import platform
 import re
 import subprocess
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from turbowire.bench_e2e.client import stream_completion
 from turbowire.bench_e2e.engines import (
     ConnectorConfig,
     EnginePair,
@@ -159,48 +159,18 @@ class BenchOutput:
 # client side
 
 
-async def _one_request(client: httpx.AsyncClient, proxy_url: str, prompt: list[int],
-                       max_tokens: int, timeout_s: float) -> dict[str, Any]:
-    """Send one streaming completion through the proxy; return client timings and the id."""
-    rid = uuid.uuid4().hex
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    text = ""
-    error: str | None = None
-    try:
-        async with client.stream("POST", f"{proxy_url}/v1/completions", json=body,
-                                 headers={"X-Request-Id": rid}, timeout=timeout_s) as resp:
-            if resp.status_code != 200:
-                error = f"http {resp.status_code}: {(await resp.aread())[:300]!r}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    payload = json.loads(line[6:])
-                    if "error" in payload:
-                        error = str(payload["error"])[:300]
-                        break
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text += "".join(c.get("text", "") for c in payload.get("choices", []))
-    except httpx.HTTPError as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return {"rid": rid, "ttft": ttft, "total": time.perf_counter() - t0, "error": error,
-            "text": text}
-
-
 async def _run_batch(proxy_url: str, prompts: list[list[int]], concurrent: bool, max_tokens: int,
                      timeout_s: float) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=16)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
         if concurrent:
             return list(await asyncio.gather(*(
-                _one_request(client, proxy_url, p, max_tokens, timeout_s) for p in prompts)))
+                stream_completion(client, proxy_url, p, max_tokens, timeout_s=timeout_s)
+                for p in prompts)))
         out = []
         for p in prompts:
-            out.append(await _one_request(client, proxy_url, p, max_tokens, timeout_s))
+            out.append(await stream_completion(client, proxy_url, p, max_tokens,
+                                               timeout_s=timeout_s))
         return out
 
 
