@@ -31,6 +31,7 @@ from bench.gpu_path.rig import (
     sync,
     use_coder,
 )
+from turbowire.codec import Codec
 from turbowire.kernels import DecodeItem, EncodeItem, decode_into, encode_into
 
 Log = Callable[[str], None]
@@ -91,9 +92,13 @@ def connector_check(preset: str, log: Log) -> dict[str, Any]:
     sb = save_meta("b", perm[20:40], ntok_b, slot0=len(meta.saves[0].blocks)).saves[0]
     sb.blocks = sb.blocks[2:]  # "b" computed its first 2 blocks in an earlier step
     meta.saves.append(sb)
+    # room for both requests' 38 blocks whatever the preset (raw's slots are the largest)
+    codec = Codec(preset, dim, layers)
+    pool = max(8 << 20, 48 * sum(codec.encoded_nbytes(i, BLOCK, heads) + 64
+                                 for i in range(layers)))
     producers = {}
     for schedule in ("layerwise", "after_forward"):
-        p = make_worker(preset, "kv_producer", f"P-check-{schedule}", nb, 8 << 20, layers,
+        p = make_worker(preset, "kv_producer", f"P-check-{schedule}", nb, pool, layers,
                         heads, dim)
         p.register_kv_caches(src)
         use_coder(p, schedule)
@@ -109,7 +114,7 @@ def connector_check(preset: str, log: Log) -> dict[str, Any]:
     out["encode_bitexact"] = not bad
     out["encode_mismatch"] = bad[:4]
     # decode request "a" (then a corrupt copy) through a decode worker's loader, 2 layer groups
-    d = make_worker(preset, "kv_consumer", "D-check", nb, 8 << 20, layers, heads, dim, groups=2)
+    d = make_worker(preset, "kv_consumer", "D-check", nb, pool, layers, heads, dim, groups=2)
     dst = {n: torch.full((2, nb, BLOCK, heads, dim), 7.0, device=DEVICE).to(torch.bfloat16)
            for n in names}
     d.register_kv_caches(dst)
