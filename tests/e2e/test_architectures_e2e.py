@@ -178,9 +178,13 @@ def engine_block_size(url: str) -> int:
     """The block size an engine really runs, from its ``vllm:cache_config_info`` gauge: vLLM
     CPU's MLA backends choose their own (the reference backend 16, the AMX one the 32 asked)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', text)
+    found = re.search(r"^vllm:cache_config_info\{(.*)\}\s+\S+$", text, re.MULTILINE)
     assert found, "the engine exports no vllm:cache_config_info"
-    return int(found.group(1))
+    # the exact label: hash_block_size, effective_attention_block_size and others end alike and
+    # may differ from it (a search for 'block_size=' once read one of them on another CPU)
+    labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', found.group(1)))
+    assert labels.get("block_size", "").isdigit(), labels
+    return int(labels["block_size"])
 
 
 @pytest.mark.parametrize("arch,preset", [("deepseek-v2", "raw"), ("deepseek-v2", "tq4"),
