@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from turbowire.codec import (
+    SUPPORTED_HEAD_DIMS,
     ChecksumError,
     Codec,
     FormatError,
@@ -265,8 +266,11 @@ def _why_not(
         or not buf.is_contiguous()
     ):
         return "the staging/source buffer is not a flat contiguous uint8 CPU tensor"
-    if layout.head_dim != codec.head_dim or codec.head_dim not in (64, 128, 256):
+    if layout.head_dim != codec.head_dim:
         return f"cache head_dim {layout.head_dim} does not match the codec's {codec.head_dim}"
+    if codec.head_dim not in SUPPORTED_HEAD_DIMS:  # a raw / fp8 preset's other head size
+        return (f"the C codec codes head_dim {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
+                f"not {codec.head_dim}")
     if isinstance(layout, CpuAttnKVLayout) and layout.path != "strided":
         if layout.path == "generic":
             return f"vLLM CPU attention (isa {layout.isa}) places KV {layout.describe()}"
@@ -293,6 +297,9 @@ def served_by(layout: CpuAttnKVLayout) -> str:
     """Which implementation a vLLM CPU attention layout gets, in words (for the engine log)."""
     if layout.path == "generic":
         return "the reference codec through the probed table (generic gather/scatter, slower)"
+    if layout.head_dim not in SUPPORTED_HEAD_DIMS:
+        return (f"the reference codec (the C codec codes head_dim "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; torch gather/scatter, slower)")
     if not available():
         return "the reference codec (the C codec is not built or disabled)"
     how = "strides" if layout.path == "strided" else "slot/dim offset tables"

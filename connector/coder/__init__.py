@@ -10,6 +10,7 @@ worker's saves into staging and the loader's decodes) and the store path (blobs)
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Literal
 
 from turbowire.connector.codecs import chunk_nbytes as exact_chunk_nbytes
@@ -24,6 +25,8 @@ from turbowire.connector.coder.base import (
 from turbowire.connector.coder.cuda import CudaCoder
 from turbowire.connector.coder.host import HostCoder
 from turbowire.kernels import cuda_serves
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +78,12 @@ def make_coder(
         cuda = (not geometry.state_groups and not geometry.has_latent
                 and cuda_serves(codec, caches.tensors))
         kind = "cuda" if cuda else "host"
+        if not cuda and any(t.is_cuda for t in caches.tensors) and not (
+                geometry.state_groups or geometry.has_latent):
+            logger.warning(
+                "turbowire: the Triton kernels do not serve these caches (head_dim %d, %s); "
+                "the reference codec codes them with torch ops on the GPU, several times "
+                "slower", codec.head_dim, caches.tensors[0].dtype)
     if kind == "cuda" and (geometry.state_groups or geometry.has_latent):
         raise ValueError("the CUDA coder serves K/V attention layers only; this model has "
                          "Mamba / linear-attention state layers or MLA latents (the host "

@@ -51,12 +51,15 @@ PROMPTS = (40, 7 * BLOCK_SIZE + 5, 1100)
 assert PROMPTS[0] < TINY_WINDOW < PROMPTS[1]
 HYBRIDS = ("qwen3-next", "granite4")  # state layers beside attention: their own test (below)
 # README's rows served on real engines
-ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa", "qwen3-next",
-                 "granite4", "deepseek-v2", "deepseek-v3")
+ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa", "phi3",
+                 "qwen3-next", "granite4", "deepseek-v2", "deepseek-v3")
 MLA = ("deepseek-v2", "deepseek-v3")  # MLA latents: their own test (below)
 SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "gemma3-w40": (0, 1, 3, 4),
            "mistral-swa": (0, 1, 2, 3)}  # the tiny models' sliding layers
-PRESETS = {"gemma3-w40": ("raw",)}  # presets run per architecture (raw and tq4 unless here)
+# presets run per architecture (raw and tq4 unless here): the coded presets rotate head sizes
+# of 64, 128 and 256 only, so a head of 96 moves raw (or fp8, k8v8) and tq4 is refused at start
+PRESETS = {"gemma3-w40": ("raw",), "phi3": ("raw", "k8v8")}
+HEAD_DIMS = {"phi3": 96}  # a tiny model's head size (HEAD_DIM unless here)
 NO_HMA = ("--disable-hybrid-kv-cache-manager",)
 
 
@@ -72,9 +75,9 @@ def moved_blocks(arch: str, n: int, hma: bool) -> list[range]:
             for layer in range(LAYERS.get(arch, 4))]
 
 
-def wire_bytes(preset: str, n: int, blocks: list[range]) -> int:
+def wire_bytes(arch: str, preset: str, n: int, blocks: list[range]) -> int:
     """One chunk per moved block and layer, at the preset's exact size."""
-    codec = Codec(preset, HEAD_DIM, len(blocks))
+    codec = Codec(preset, HEAD_DIMS.get(arch, HEAD_DIM), len(blocks))
     return sum(codec.encoded_nbytes(layer, min(BLOCK_SIZE, n - b * BLOCK_SIZE), KV_HEADS,
                                     b * BLOCK_SIZE)
                for layer, moved in enumerate(blocks) for b in moved)
@@ -89,7 +92,8 @@ def test_architecture_hands_the_prompt_over(arch, preset, hma, engine_slot, tmp_
     model = ensure_tiny_model(arch)
     group, stack = start_stack(model, preset,
                                tmp_path_factory.mktemp(f"logs-{arch}-{preset}-{hma}"),
-                               staging_bytes_for(preset, 40, LAYERS.get(arch, 4)),
+                               staging_bytes_for(preset, 40, LAYERS.get(arch, 4),
+                                                 HEAD_DIMS.get(arch, HEAD_DIM)),
                                extra_args=() if hma else NO_HMA)
     try:
         for i, n in enumerate(PROMPTS):
@@ -101,7 +105,7 @@ def test_architecture_hands_the_prompt_over(arch, preset, hma, engine_slot, tmp_
             # a block loads while any layer's group holds it
             first = min(moved.start for moved in blocks)
             assert load["tokens"] == n - first * BLOCK_SIZE, load
-            assert load["wire_bytes"] == wire_bytes(preset, n, blocks), load
+            assert load["wire_bytes"] == wire_bytes(arch, preset, n, blocks), load
             text = out["choices"][0]["text"]
             if preset == "raw":
                 assert text == single(stack, prompt, max_tokens=8)

@@ -17,15 +17,15 @@ pytestmark = pytest.mark.e2e
 STAGING_SLOTS = 40  # 1280 tokens of blocks: the concurrent test fits, a 1500-token prompt does not
 
 
-def staging_bytes_for(preset: str, slots: int, layers: int = 2) -> int:
+def staging_bytes_for(preset: str, slots: int, layers: int = 2, head_dim: int = 64) -> int:
     """Pool size holding exactly ``slots`` slots of a tiny model (``layers`` x 2 KV heads x
-    head_dim 64: 2 layers for the tiny Llama)."""
+    ``head_dim``: 2 layers of 64 for the tiny Llama)."""
     from turbowire.codec import Codec
     from turbowire.connector.geometry import KVGeometry, LayerSpec, StagingLayout
 
-    geo = KVGeometry(tuple(LayerSpec(f"l.{i}", 2, 64) for i in range(layers)), BLOCK_SIZE,
-                     "bfloat16")
-    one = StagingLayout.build(geo, Codec(preset, 64, layers).encoded_nbytes, 1 << 30)
+    geo = KVGeometry(tuple(LayerSpec(f"l.{i}", 2, head_dim) for i in range(layers)),
+                     BLOCK_SIZE, "bfloat16")
+    one = StagingLayout.build(geo, Codec(preset, head_dim, layers).encoded_nbytes, 1 << 30)
     return one.slot_bytes * slots
 
 

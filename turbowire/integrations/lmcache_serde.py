@@ -103,6 +103,7 @@ from lmcache.v1.distributed.serde import (
 from lmcache.v1.memory_management import MemoryObj
 
 from turbowire.codec import SUPPORTED_HEAD_DIMS, Codec, Preset, get_preset
+from turbowire.codec.codec import check_head_dim
 from turbowire.codec.errors import CodecError
 from turbowire.codec.wire import CODE_DTYPES, DTYPE_CODES, align_up, wsum32
 from turbowire.errors import TurboWireError
@@ -185,20 +186,16 @@ class SerdeOptions:
             )
         if "head_dim" not in kwargs:
             raise SerdeConfigError(
-                "the turbowire serde needs \"head_dim\" (the model's head size, one of "
-                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+                "the turbowire serde needs \"head_dim\" (the model's head size: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} with every preset)"
             )
         head_dim = _int_option(kwargs, "head_dim")
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise SerdeConfigError(
-                f"head_dim {head_dim} is not supported; turbowire codes head_dim "
-                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
-            )
         preset_name = kwargs.get("preset", "tq4")
         if not isinstance(preset_name, str):
             raise SerdeConfigError(f"preset must be a preset name, got {preset_name!r}")
         try:
             preset = get_preset(preset_name)
+            check_head_dim(preset, head_dim)
         except CodecError as exc:
             raise SerdeConfigError(str(exc)) from None
         max_workers = _int_option(kwargs, "max_workers", 1)
