@@ -3,7 +3,7 @@
 The single source of truth for the math and the bytes; kernels are tested against it.
 """
 
-from turbowire.codec.codec import SUPPORTED_HEAD_DIMS, ChunkLayout, Codec, EncodedChunk
+from turbowire.codec.codec import MAX_HEAD_DIM, ChunkLayout, Codec, EncodedChunk, check_head_dim
 from turbowire.codec.errors import (
     ChecksumError,
     CodecError,
@@ -21,6 +21,7 @@ from turbowire.codec.wire import FORMAT_VERSION, HEADER_BYTES, ChunkHeader, pars
 __all__ = [
     "Codec", "ChunkLayout", "EncodedChunk", "ChunkHeader", "StreamSpec", "Preset",
     "list_presets", "get_preset", "parse_header", "FORMAT_VERSION", "HEADER_BYTES",
-    "SUPPORTED_HEAD_DIMS", "CodecError", "FormatError", "ChecksumError", "TruncatedPayloadError",
+    "MAX_HEAD_DIM", "check_head_dim", "CodecError", "FormatError", "ChecksumError",
+    "TruncatedPayloadError",
     "UnsupportedVersionError", "IncompatiblePayloadError", "GeometryError", "UnknownPresetError",
 ]

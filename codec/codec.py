@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from turbowire.codec.errors import GeometryError, IncompatiblePayloadError
-from turbowire.codec.presets import LayerPolicy, Preset, get_preset, list_presets
+from turbowire.codec.presets import LayerPolicy, Preset, get_preset
 from turbowire.codec.streams import StreamLayout, decode_stream, encode_stream, stream_layout
 from turbowire.codec.wire import (
     DTYPE_CODES,
@@ -22,8 +22,7 @@ from turbowire.codec.wire import (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # head sizes the rotated (Lloyd-Max) streams code
-MAX_UNROTATED_HEAD_DIM = 1024  # raw / fp8 presets: any multiple of 8 up to this
+MAX_HEAD_DIM = 1024  # head sizes coded: every multiple of 8 up to this
 DEFAULT_CHUNK_TOKENS = 256
 MAX_CHUNK_TOKENS = 1 << 16
 
@@ -58,27 +57,16 @@ class EncodedChunk:
         return self.data.cpu().numpy().tobytes()
 
 
-def check_head_dim(preset: Preset, head_dim: int) -> None:
-    """Refuse a head size the preset cannot code, saying which presets can: a rotated stream
-    needs a power of two the codebooks are fitted for; raw and fp8 streams copy or scale rows of
-    any multiple of 8 (every head size vLLM's attention backends take)."""
-    if head_dim in SUPPORTED_HEAD_DIMS:
-        return
-    fits = 0 < head_dim <= MAX_UNROTATED_HEAD_DIM and head_dim % 8 == 0
-    if fits and not preset.rotates:
-        return
-    unrotated = ", ".join(p for p in list_presets() if not get_preset(p).rotates)
-    if fits:
+def check_head_dim(head_dim: int) -> None:
+    """Refuse a head size no preset codes. Every multiple of 8 up to ``MAX_HEAD_DIM`` is coded
+    (every head size vLLM's attention backends take): raw and fp8 streams copy or scale rows of
+    any width, a Lloyd-Max stream rotates a vector zero-padded to a power of two
+    (``streams.rotated_dim``)."""
+    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0):
         raise GeometryError(
-            f"head_dim {head_dim}: preset {preset.name!r} rotates heads, which turbowire codes "
-            f"at head_dim {', '.join(map(str, SUPPORTED_HEAD_DIMS))} only; the presets without "
-            f"a rotation ({unrotated}) move heads of {head_dim}"
+            f"head_dim {head_dim} is not supported: turbowire codes head sizes that are a "
+            f"multiple of 8 up to {MAX_HEAD_DIM}"
         )
-    raise GeometryError(
-        f"head_dim {head_dim} is not supported: turbowire codes head_dim "
-        f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} with every preset, and any multiple of 8 "
-        f"up to {MAX_UNROTATED_HEAD_DIM} with the presets without a rotation ({unrotated})"
-    )
 
 
 class Codec:
@@ -97,7 +85,7 @@ class Codec:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         self.preset: Preset = preset if isinstance(preset, Preset) else get_preset(preset)
-        check_head_dim(self.preset, head_dim)
+        check_head_dim(head_dim)
         if not 0 < num_layers < 1 << 16:
             raise GeometryError(f"num_layers must be in 1..65535, got {num_layers}")
         if not 0 < chunk_tokens <= MAX_CHUNK_TOKENS:

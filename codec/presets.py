@@ -43,13 +43,6 @@ class Preset:
     boundary: LayerPolicy | None = None
     boundary_layers: int = 0
 
-    @property
-    def rotates(self) -> bool:
-        """Whether any stream is a rotated Lloyd-Max one (those code head sizes of a power of
-        two only; raw and fp8 streams take any head size)."""
-        policies = (self.body, self.boundary) if self.boundary is not None else (self.body,)
-        return any(spec.kind == "lloyd" for pol in policies for spec in (pol.k, pol.v))
-
     def policy(self, layer: int, num_layers: int) -> LayerPolicy:
         if not 0 <= layer < num_layers:
             raise IndexError(f"layer {layer} out of range for a model with {num_layers} layers")

@@ -95,6 +95,13 @@ class StreamSpec:
         return f"{bits}-bit Lloyd-Max{extras}"
 
 
+def rotated_dim(dim: int) -> int:
+    """Coordinates a Lloyd-Max stream rotates a ``dim``-wide vector in: the next power of two
+    (the Hadamard transform's size). A narrower vector (Phi-3's 96) is zero-padded first; the
+    padding's codes cross the wire and are dropped after the inverse rotation."""
+    return 1 << (dim - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class StreamLayout:
     """Byte sections of one stream inside a chunk body (offsets relative to the stream start)."""
@@ -127,7 +134,7 @@ def stream_layout(
         sink_rows = min(spec.sink_tokens, tokens) if sequence_start else 0
         if sink_rows:
             add("sink", sink_rows * heads * dim * 2)
-        add("codes", tokens * heads * spec.row_bytes(dim))
+        add("codes", tokens * heads * spec.row_bytes(rotated_dim(dim)))
         add("scales", tokens * heads * 2)
     return StreamLayout(sections=sections, nbytes=off, sink_rows=sink_rows)
 
@@ -231,7 +238,10 @@ def encode_stream(
         xf = xf - mean16.to(torch.float32)
     if layout.sink_rows:
         put("sink", x[: layout.sink_rows])
-    groups = spec.coord_bits(dim)
+    padded = rotated_dim(dim)
+    if padded != dim:
+        xf = torch.nn.functional.pad(xf, (0, padded - dim))
+    groups = spec.coord_bits(padded)
     codes, scales = lloyd_quantize(xf, groups)
     put("codes", torch.cat([pack_codes(c, b) for c, (b, _) in zip(codes, groups)], dim=-1))
     put("scales", scales)
@@ -262,15 +272,16 @@ def decode_stream(
         scales = get("scales", torch.float16, (tokens, heads)).to(torch.float32)
         codes = get("codes", torch.float8_e4m3fn, (tokens, heads, dim)).to(torch.float32)
         return (codes * scales.unsqueeze(-1)).to(dtype)
-    groups = spec.coord_bits(dim)
-    packed = get("codes", torch.uint8, (tokens, heads, spec.row_bytes(dim)))
+    padded = rotated_dim(dim)
+    groups = spec.coord_bits(padded)
+    packed = get("codes", torch.uint8, (tokens, heads, spec.row_bytes(padded)))
     codes, start = [], 0
     for bits, count in groups:
         nb = packed_row_bytes(count, bits)
         codes.append(unpack_codes(packed[..., start : start + nb], bits, count))
         start += nb
     scales = get("scales", torch.float16, (tokens, heads))
-    xf = lloyd_dequantize(codes, scales, groups)
+    xf = lloyd_dequantize(codes, scales, groups)[..., :dim]
     if spec.center:
         xf = xf + get("mean", torch.float16, (heads, dim)).to(torch.float32)
     out = xf.to(dtype)

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from turbowire.codec import (
-    SUPPORTED_HEAD_DIMS,
     ChecksumError,
     Codec,
     FormatError,
@@ -51,6 +50,8 @@ from turbowire.kernels.items import (
 from turbowire.kernels.paged import BlockIndexError, PagedKVLayout
 
 logger = logging.getLogger(__name__)
+
+C_HEAD_DIMS = (64, 128, 256)  # the head sizes the C codec codes (others: the reference codec)
 
 ABI_VERSION = 3  # must equal TW_ABI_VERSION in kernels/cpu/twcpu.h
 MODULE = "turbowire.kernels._twcpu"
@@ -268,8 +269,8 @@ def _why_not(
         return "the staging/source buffer is not a flat contiguous uint8 CPU tensor"
     if layout.head_dim != codec.head_dim:
         return f"cache head_dim {layout.head_dim} does not match the codec's {codec.head_dim}"
-    if codec.head_dim not in SUPPORTED_HEAD_DIMS:  # a raw / fp8 preset's other head size
-        return (f"the C codec codes head_dim {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
+    if codec.head_dim not in C_HEAD_DIMS:  # Phi-3's 96, a tiny model's 32
+        return (f"the C codec codes head_dim {', '.join(map(str, C_HEAD_DIMS))}, "
                 f"not {codec.head_dim}")
     if isinstance(layout, CpuAttnKVLayout) and layout.path != "strided":
         if layout.path == "generic":
@@ -297,9 +298,9 @@ def served_by(layout: CpuAttnKVLayout) -> str:
     """Which implementation a vLLM CPU attention layout gets, in words (for the engine log)."""
     if layout.path == "generic":
         return "the reference codec through the probed table (generic gather/scatter, slower)"
-    if layout.head_dim not in SUPPORTED_HEAD_DIMS:
+    if layout.head_dim not in C_HEAD_DIMS:
         return (f"the reference codec (the C codec codes head_dim "
-                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; torch gather/scatter, slower)")
+                f"{', '.join(map(str, C_HEAD_DIMS))}; torch gather/scatter, slower)")
     if not available():
         return "the reference codec (the C codec is not built or disabled)"
     how = "strides" if layout.path == "strided" else "slot/dim offset tables"

@@ -211,13 +211,16 @@ def triton_available() -> bool:
     return True
 
 
+TRITON_HEAD_DIMS = (64, 128, 256)  # the head sizes the kernels code (others: the reference)
+
+
 def applies(codec: Any, kv_cache: torch.Tensor) -> bool:
     """True where the Triton kernels serve: CUDA caches of bf16/fp16 (or fp8 e4m3 with the
     layer's scales) with a supported head_dim."""
     return (
         kv_cache.is_cuda
         and kv_cache.dtype in SUPPORTED_DTYPES
-        and getattr(codec, "head_dim", None) in (64, 128, 256)
+        and getattr(codec, "head_dim", None) in TRITON_HEAD_DIMS
         and triton_available()
     )
 

@@ -196,7 +196,7 @@ TINY_ARCHITECTURES: dict[str, str] = {
     "gemma3": f"Gemma-3: sliding ({TINY_WINDOW} tokens) and full layers interleaved, q/k norms",
     "gemma3-w40": "Gemma-3, 6 layers: two sliding (a 40-token window, not a multiple of the "
                   "32-token block) per full layer",
-    "phi3": "Phi-3-style: head_dim 96, not a power of two (moves raw; coded presets refused)",
+    "phi3": "Phi-3-style: head_dim 96, not a power of two (Phi-3-mini's head size)",
     "qwen3-next": "Qwen3-Next: gated-delta-net linear attention beside full attention, MoE",
     "granite4": "Granite 4: Mamba-2 layers beside full attention, MoE",
     "deepseek-v2": "DeepSeek-V2: MLA on every layer (a 512 latent + 64 RoPE row), dense MLPs",

@@ -56,9 +56,7 @@ ARCHITECTURES = ("qwen3", "gemma2", "gemma3", "gemma3-w40", "mistral-swa", "phi3
 MLA = ("deepseek-v2", "deepseek-v3")  # MLA latents: their own test (below)
 SLIDING = {"gemma2": (0, 2), "gemma3": (0, 2), "gemma3-w40": (0, 1, 3, 4),
            "mistral-swa": (0, 1, 2, 3)}  # the tiny models' sliding layers
-# presets run per architecture (raw and tq4 unless here): the coded presets rotate head sizes
-# of 64, 128 and 256 only, so a head of 96 moves raw (or fp8, k8v8) and tq4 is refused at start
-PRESETS = {"gemma3-w40": ("raw",), "phi3": ("raw", "k8v8")}
+PRESETS = {"gemma3-w40": ("raw",)}  # presets run per architecture (raw and tq4 unless here)
 HEAD_DIMS = {"phi3": 96}  # a tiny model's head size (HEAD_DIM unless here)
 NO_HMA = ("--disable-hybrid-kv-cache-manager",)
 

@@ -186,8 +186,8 @@ def test_wrong_decoder_is_refused_with_the_differing_field(chunk) -> None:
 def test_bad_construction_and_inputs() -> None:
     with pytest.raises(UnknownPresetError, match="known presets"):
         Codec("tq9", 64, 4)
-    with pytest.raises(GeometryError, match="head_dim 80"):
-        Codec("tq4", 80, 4)
+    with pytest.raises(GeometryError, match="head_dim 100"):
+        Codec("tq4", 100, 4)
     codec = Codec("tq4", 64, 4)
     k, v = kv(4, 2, 64)
     with pytest.raises(GeometryError):

@@ -102,8 +102,7 @@ from lmcache.v1.distributed.serde import (
 )
 from lmcache.v1.memory_management import MemoryObj
 
-from turbowire.codec import SUPPORTED_HEAD_DIMS, Codec, Preset, get_preset
-from turbowire.codec.codec import check_head_dim
+from turbowire.codec import MAX_HEAD_DIM, Codec, Preset, check_head_dim, get_preset
 from turbowire.codec.errors import CodecError
 from turbowire.codec.wire import CODE_DTYPES, DTYPE_CODES, align_up, wsum32
 from turbowire.errors import TurboWireError
@@ -186,16 +185,16 @@ class SerdeOptions:
             )
         if "head_dim" not in kwargs:
             raise SerdeConfigError(
-                "the turbowire serde needs \"head_dim\" (the model's head size: "
-                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} with every preset)"
+                "the turbowire serde needs \"head_dim\" (the model's head size: a multiple "
+                f"of 8 up to {MAX_HEAD_DIM})"
             )
         head_dim = _int_option(kwargs, "head_dim")
         preset_name = kwargs.get("preset", "tq4")
         if not isinstance(preset_name, str):
             raise SerdeConfigError(f"preset must be a preset name, got {preset_name!r}")
         try:
+            check_head_dim(head_dim)
             preset = get_preset(preset_name)
-            check_head_dim(preset, head_dim)
         except CodecError as exc:
             raise SerdeConfigError(str(exc)) from None
         max_workers = _int_option(kwargs, "max_workers", 1)
