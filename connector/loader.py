@@ -126,9 +126,10 @@ the ``cut`` (``tp_plan.ChunkCut``: the staged chunks of runs of heads a K/V chun
 and the window of each) when one is given; the handle says when that ran
 (``CacheCoder.decode``). The load is finished once every handle ran, none refused."""
 
-PrepareDecode = Callable[[LoadRequest, int, ChunkOffsets], None]
-"""prepare(load, recv_offset, chunks): called once a load's first READs are posted, so the
-decode is made ready while the bytes move (``CacheCoder.prepare_load``); raising fails it."""
+PrepareDecode = Callable[..., None]
+"""prepare(load, recv_offset, chunks, cut=None): called once a load's first READs are posted, so
+the decode is made ready while the bytes move (``CacheCoder.prepare_load``; ``cut`` as the
+decode's, given when there is one); raising fails it."""
 
 
 @dataclass(frozen=True)
@@ -404,8 +405,8 @@ class KVLoader(PeerLinks, ReadPipeline, LoadFailures):
         job.wait_seconds = time.monotonic() - job.created
         with probe.mark("loader.post_reads"):
             self._post_more(job)
-        if self.prepare is not None and job.cut is None:  # made ready while bytes move
-            self.prepare(load, start, offsets)
+        if self.prepare is not None:  # made ready while bytes move
+            self.prepare(load, start, offsets, **({"cut": job.cut} if job.cut else {}))
         return True
 
     def _cut(self, source: HeadSource, head_groups: int) -> ChunkCut | None:

@@ -39,7 +39,7 @@ from turbowire.codec import Codec, GeometryError
 from turbowire.codec.errors import TruncatedPayloadError
 from turbowire.codec.wire import HEADER_BYTES
 from turbowire.kernels.fp8_cache import KVScales
-from turbowire.kernels.items import DecodeItem
+from turbowire.kernels.items import DecodeItem, HeadWindow
 from turbowire.kernels.paged import NO_BLOCK, BlockIndexError, CacheLayoutError, PagedKVLayout
 from turbowire.kernels.triton_common import (
     _MAX_LEVELS,
@@ -480,7 +480,10 @@ class DecodeLayersPlan:
 
     ``in_offsets[i, n]`` / ``nbytes[i, n]``: where chunk n of the i-th layer lies in ``source``
     and its size as the sender announced it. The chunks' expected tags are ``chunks.tags``
-    (none checked when the chunk set has no tags)."""
+    (none checked when the chunk set has no tags). ``window``: every chunk holds
+    ``window.src_heads`` heads, of which the plan writes ``window.count`` from ``src_start`` at
+    the cache's head ``dst_start`` (a prefill rank of another TP size: ``DecodeItem.heads``,
+    the same rows as ``DecodePlan``'s)."""
 
     def __init__(
         self,
@@ -495,12 +498,21 @@ class DecodeLayersPlan:
         config: KernelConfig | None = None,
         kv_scales: Sequence[KVScales | None] | None = None,
         layouts: Sequence[PagedKVLayout] | None = None,
+        window: HeadWindow | None = None,
     ) -> None:
         cfg = config or DEFAULT_CONFIG
         self.codec = codec
         self.source = source
         self.layout = layout
         self.chunks = chunks
+        self.window = window
+        # the chunks' heads, and those of them written where
+        self._src_heads = window.src_heads if window is not None else layout.num_heads
+        head0, count, dst = ((window.src_start, window.count, window.dst_start)
+                             if window is not None else (0, layout.num_heads, 0))
+        if dst + count > layout.num_heads:
+            raise GeometryError(f"head window {window} outside the cache's "
+                                f"{layout.num_heads} heads")
         self.layers = [int(x) for x in layers]
         n_l, n = len(self.layers), len(chunks)
         self.n = n
@@ -533,6 +545,10 @@ class DecodeLayersPlan:
         if any(g.strides != geoms[0].strides for g in geoms):
             raise CacheLayoutError("all layers of one call must share cache strides")
         strides = geoms[0].strides
+        shift = (dst - head0) * strides[2]  # the planes shifted so head h lands at dst + h - head0
+        if shift % 16:
+            raise CacheLayoutError(f"a head window shifts the cache planes by {shift} elements; "
+                                   "the kernels need multiples of 16")
         self._ranges: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
         self._launched: set[int] = set()  # range starts launched (their flag may be set)
         self.status: torch.Tensor | None = None
@@ -547,21 +563,22 @@ class DecodeLayersPlan:
         blk0 = chunks.blk0()
         tag_lo = (chunks.tags & np.uint64(0xFFFFFFFF)).astype(np.int64)
         tag_hi = (chunks.tags >> np.uint64(32)).astype(np.int64)
-        nb_lk, kb_lk = _size_table(codec, self.layers, layout.num_heads, chunks)
+        nb_lk, kb_lk = _size_table(codec, self.layers, self._src_heads, chunks)
         _, inv = chunks.size_keys()
         body_lk = nb_lk - HEADER_BYTES
 
         def fields(sel: Sequence[int]) -> list[tuple[str, Any]]:
             sel = list(sel)
             return [  # the columns of DECODE_FIELDS, in order
-                ("L", [geoms[i].k_off for i in sel]), ("L", [geoms[i].v_off for i in sel]),
+                ("L", [geoms[i].k_off + shift for i in sel]),
+                ("L", [geoms[i].v_off + shift for i in sel]),
                 ("N", chunks.start), ("N", chunks.tokens), ("LN", inn[sel]), ("LN", size[sel]),
                 ("N", blk0), ("N", tag_lo), ("N", tag_hi), ("N", np.full(n, int(chunks.has_tag))),
                 ("L", [self.layers[i] for i in sel]), ("LK", body_lk[sel]), ("LK", kb_lk[sel]),
                 # status: chunk c of the plan's i-th layer reports at i * n + c
                 ("LI", [i * n for i in sel]), ("L", [scale_cols[i][0] for i in sel]),
                 ("L", [scale_cols[i][1] for i in sel]),
-                ("N", np.zeros(n, np.int64)), ("N", np.full(n, layout.num_heads)),  # all heads
+                ("N", np.full(n, head0)), ("N", np.full(n, count)),  # the heads written
             ]
 
         assert len(fields([0])) == nf
@@ -612,7 +629,7 @@ class DecodeLayersPlan:
                 cfg, kspec, vspec, dim, (b - a) * n, self._max_tokens, _kernel_cache(self._base),
                 self.source, pol.table[a * n:b * n], self.blocks, self._tab, self.status, self._acc,
                 fail,
-                self._strides, lay.block_size, lay.num_heads, self.codec.preset.preset_id,
+                self._strides, lay.block_size, self._src_heads, self.codec.preset.preset_id,
                 self.codec.num_layers)
         self._ranges[(lo, hi)] = calls
         return calls
@@ -639,7 +656,7 @@ class DecodeLayersPlan:
         if self.fails is None:
             return set()
         base = (self._base.dtype, self._strides, self._cfg, self.layout.block_size,
-                self.layout.num_heads)
+                self._src_heads)
         return {(*base, pol.key) for pol in self._policies
                 if any(lo <= i < hi for i in pol.positions)}
 
@@ -666,6 +683,6 @@ class DecodeLayersPlan:
         tag = int(ch.tags[ci]) if ch.has_tag else None
         item = DecodeItem(ch.block_ids[ch.offsets[ch.req[ci]]:ch.offsets[ch.req[ci] + 1]].tolist(),
                           int(ch.start[ci]), int(ch.tokens[ci]), int(self.in_offsets[li, ci]),
-                          int(self.nbytes[li, ci]), tag)
+                          int(self.nbytes[li, ci]), tag, self.window)
         _raise_like_reference(self.codec, self.layers[li], item, self.layout, self.source,
                               int(st[i]))

@@ -143,8 +143,10 @@ class CacheCoder(Protocol):
         """Encode time of earlier steps that is known by now; never waits."""
         ...
 
-    def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> None:
-        """A load's READs are posted: get its decode ready while the bytes move."""
+    def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets,
+                     cut: ChunkCut | None = None) -> None:
+        """A load's READs are posted: get its decode ready while the bytes move (``cut``: as
+        ``decode``'s)."""
         ...
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,

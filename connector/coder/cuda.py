@@ -44,7 +44,7 @@ import torch
 
 from turbowire.connector import probe
 from turbowire.connector.coder import host
-from turbowire.connector.coder.base import BlobPlan, ChunkOffsets, DoneDecode, check_sizes
+from turbowire.connector.coder.base import BlobPlan, ChunkOffsets, check_sizes
 from turbowire.connector.coder.cuda_load import CudaDecoder, PendingGroup
 from turbowire.errors import TurboWireError
 from turbowire.kernels import (
@@ -310,23 +310,17 @@ class CudaCoder:
         return done
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> None:
+    def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets,
+                     cut: ChunkCut | None = None) -> None:
         """The loader's hook once a load's READs are posted (see ``cuda_load``)."""
         with probe.mark("coder.prepare_load"):
-            self.decoder.prepare(load, recv_offset, chunks)
+            self.decoder.prepare(load, recv_offset, chunks, cut)
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
-               chunks: ChunkOffsets,
-               cut: ChunkCut | None = None) -> PendingGroup | DoneDecode:
-        """A landed run through the load's prepared plan; a cut (a prefill rank of another TP
-        size, or one staging runs of heads) through the kernels' per-layer calls, done on
-        return."""
-        if cut is not None:
-            assert self.recv is not None
-            host.decode_landed(self.codec, self.geometry, self.caches, self.recv, load, layers,
-                               recv_offset, chunks, cut)
-            return DoneDecode(layers)
-        return self.decoder.decode(load, layers, recv_offset, chunks)
+               chunks: ChunkOffsets, cut: ChunkCut | None = None) -> PendingGroup:
+        """A landed run through the load's prepared plan (``cut``: a prefill rank of another
+        TP size, or one staging runs of heads: a plan per head window)."""
+        return self.decoder.decode(load, layers, recv_offset, chunks, cut)
 
     # ------------------------------------------------------------------ store
     def encode_chunks(self, plan: BlobPlan) -> Any:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from turbowire.connector.metadata import LoadRequest
+    from turbowire.connector.tp_plan import ChunkCut
 
 MAX_LOAD_PLANS = 16  # loads decoding at once (a failed load's plan is evicted in age order)
 
@@ -60,7 +61,8 @@ class CudaDecoder:
         self.graphs = DecodeGraphs(coder.device)
         self.loads: OrderedDict[int, LoadPlans] = OrderedDict()
 
-    def _build(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> LoadPlans:
+    def _build(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets,
+               cut: ChunkCut | None) -> LoadPlans:
         coder = self.coder
         assert self.recv is not None
         bs = coder.geometry.block_size
@@ -89,28 +91,36 @@ class CudaDecoder:
             if not held.size:  # none of the load's blocks is held by these layers' group
                 continue
             rows = np.asarray(fam.layers)[:, None]
-            plans.append((DecodeLayersPlan(
-                coder.codec, fam.layers, [coder.caches.tensors[i] for i in fam.layers],
-                fam.layout, cset, recv_offset + chunks.offsets[rows, held[None, :]],
-                chunks.sizes[rows, held[None, :]], self.recv, coder.kernel_config,
-                [coder.scales(i) for i in fam.layers],
-            ), fam.layers))
+            offsets = recv_offset + chunks.offsets[rows, held[None, :]]
+            sizes = chunks.sizes[rows, held[None, :]]
+            # a cut: each chunk's bytes are cut.parts staged runs of heads of one size, each
+            # decoded through its head window by a plan of its own
+            windows = cut.windows if cut is not None else (None,)
+            part = sizes // len(windows)
+            for i, window in enumerate(windows):
+                plans.append((DecodeLayersPlan(
+                    coder.codec, fam.layers, [coder.caches.tensors[j] for j in fam.layers],
+                    fam.layout, cset, offsets + i * part, part, self.recv, coder.kernel_config,
+                    [coder.scales(j) for j in fam.layers], window=window,
+                ), fam.layers))
         return LoadPlans(load, recv_offset, plans, set(range(coder.geometry.num_layers)))
 
-    def entry(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> LoadPlans:
+    def entry(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets,
+              cut: ChunkCut | None = None) -> LoadPlans:
         key = id(load)
         entry = self.loads.get(key)
         if entry is None or entry.load is not load or entry.recv_offset != recv_offset:
-            entry = self._build(load, recv_offset, chunks)
+            entry = self._build(load, recv_offset, chunks, cut)
             self.loads[key] = entry
             while len(self.loads) > MAX_LOAD_PLANS:
                 self.loads.popitem(last=False)
         return entry
 
-    def prepare(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> None:
+    def prepare(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets,
+                cut: ChunkCut | None = None) -> None:
         """Build and upload the load's plan while the bytes move (the validations raise here,
         failing the load before it lands) and capture the launches of its groups and runs."""
-        entry = self.entry(load, recv_offset, chunks)
+        entry = self.entry(load, recv_offset, chunks, cut)
         if entry.graphs or entry.queued is not None or entry.waiting:
             self.graphs.retired.clear()
             return
@@ -119,11 +129,11 @@ class CudaDecoder:
                                            for layers in runs)
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,
-               chunks: ChunkOffsets) -> PendingGroup:
+               chunks: ChunkOffsets, cut: ChunkCut | None = None) -> PendingGroup:
         """Queue the verify + decode of ``layers``; the captured launch of exactly the layers
         queued is replayed at once, else the load's queued layers go out together when a handle
         is first asked whether it ran."""
-        entry = self.entry(load, recv_offset, chunks)
+        entry = self.entry(load, recv_offset, chunks, cut)
         queued = entry.queued
         if queued is not None and queued.stop != layers.start:
             self.flush(entry)

@@ -109,9 +109,9 @@ def decode_landed(codec: Codec, geometry: KVGeometry, caches: EngineCaches,
     """Verify and decode a load's landed chunks of ``layers`` (in ``recv``) into the caches
     through the kernels' per-layer calls; ``cut``: each K/V chunk's bytes are ``cut.parts``
     staged runs of heads, each decoded through its head window (a prefill rank of another TP
-    size, or one that cut its chunks per decode rank's heads). Bytes final on return. The CUDA
-    coder takes this path for cuts: the K/V layers whose caches share dtype and layout then
-    decode in one multi-layer call (Triton: one launch per layer policy, one status read)."""
+    size, or one that cut its chunks per decode rank's heads). Bytes final on return. The K/V
+    layers whose caches share dtype and layout decode in one multi-layer call (Triton: one
+    launch per layer policy, one status read)."""
     bs = geometry.block_size
     table = load.block_ids
     for block in load.blocks:
@@ -274,7 +274,8 @@ class HostCoder:
         self._done.add(layer)
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets) -> None:
+    def prepare_load(self, load: LoadRequest, recv_offset: int, chunks: ChunkOffsets,
+                     cut: ChunkCut | None = None) -> None:
         """Nothing to get ready: each group decodes when it lands."""
 
     def decode(self, load: LoadRequest, layers: range, recv_offset: int,

@@ -63,7 +63,8 @@ def stage(monkeypatch, preset: str, tp: int, src: dict, decode_tp: int = 0) -> l
     return ranks
 
 
-def load_into(d, prefill: list, preset: str, prefill_tp: int, decode_tp: int, rank: int) -> int:
+def load_into(d, prefill: list, preset: str, prefill_tp: int, decode_tp: int, rank: int,
+              prepare: bool = False) -> int:
     """What the loader does for decode rank ``rank``: of each source, the staged bytes its cut
     names landed in the receive buffer one source after the other, each decoded through its
     cut. The bytes read."""
@@ -91,6 +92,8 @@ def load_into(d, prefill: list, preset: str, prefill_tp: int, decode_tp: int, ra
                 off, size = offsets[(bi, layer)]
                 at = p.layout.chunk_offset(b.slot, layer) + int(skip[layer, bi])
                 d.recv[base + off:base + off + size] = p.staging[at:at + size]
+        if prepare:  # the loader's hook once the READs are posted
+            d.coder.prepare_load(load, base, offsets, cut=cut)
         for layers in offsets.groups:
             d.coder.decode(load, layers, base, offsets, cut=cut).result()
         base += int(flat.sum())
@@ -136,6 +139,57 @@ def test_other_tp_sizes_load_what_an_equal_tp_load_writes(monkeypatch, preset, p
             assert read == max(1, per // run) * its_heads_bytes(d, run)
             if cut_for == decode_tp:
                 assert read == its_heads_bytes(d, per)
+
+
+@pytest.mark.parametrize("preset", ["raw", "tq4"])
+@pytest.mark.parametrize("prefill_tp,decode_tp,cut_for", [
+    (1, 2, 0), (2, 1, 0), (4, 2, 0), (1, 2, 2), (1, 4, 4), (2, 4, 4)])
+def test_the_cuda_coder_loads_other_tp_sizes_through_its_prepared_plans(
+        monkeypatch, preset, prefill_tp, decode_tp, cut_for):
+    """A decode rank on a GPU reading a prefill rank of another TP size: the CUDA coder's
+    decode plans, one per head window, prepared while the bytes move (Triton's interpreter
+    here; the per-item host path is not taken), write what the host coder writes."""
+    from support.fakes import use_cuda_coder
+
+    from turbowire.connector.coder import host
+
+    def no_item_path(*args, **kwargs):
+        raise AssertionError("the CUDA coder took the per-item decode")
+
+    src = model_caches(5)
+    prefill = stage(monkeypatch, preset, prefill_tp, src, cut_for)
+    per = HEADS // decode_tp
+    wants = []
+    for rank in range(decode_tp):  # the host coder's loads
+        wants.append(guards(per))
+        load_into(worker(monkeypatch, preset, f"h{rank}", per, wants[-1], decode_tp), prefill,
+                  preset, prefill_tp, decode_tp, rank)
+    monkeypatch.setattr(host, "decode_landed", no_item_path)
+    for rank, want in enumerate(wants):
+        got = guards(per)
+        d = worker(monkeypatch, preset, f"g{rank}", per, got, decode_tp)
+        use_cuda_coder(d)
+        load_into(d, prefill, preset, prefill_tp, decode_tp, rank, prepare=True)
+        for n in LAYERS:
+            assert torch.equal(got[n], want[n]), (n, rank)
+
+
+def test_a_corrupt_chunk_through_a_head_window_is_refused_as_the_reference_refuses(
+        monkeypatch):
+    """The windowed plans verify each chunk before writing it, like the item path: a flipped
+    body byte of a prefill rank's chunk fails the load with the reference's exception."""
+    from support.fakes import use_cuda_coder
+
+    from turbowire.codec import ChecksumError
+
+    prefill = stage(monkeypatch, "tq4", 1, model_caches(6))
+    p = prefill[0]
+    save = save_request("a", P_IDS, TOKENS, BS)
+    p.staging[p.layout.chunk_offset(save.blocks[1].slot, 1) + 80] ^= 0x11
+    d = worker(monkeypatch, "tq4", "g", HEADS // 2, guards(HEADS // 2), 2)
+    use_cuda_coder(d)
+    with pytest.raises(ChecksumError):
+        load_into(d, prefill, "tq4", 1, 2, 1, prepare=True)
 
 
 @pytest.mark.parametrize("preset", ["raw", "tq4", "k8v4"])
