@@ -81,9 +81,10 @@ def make_coder(
         if not cuda and any(t.is_cuda for t in caches.tensors) and not (
                 geometry.state_groups or geometry.has_latent):
             logger.warning(
-                "turbowire: the Triton kernels do not serve these caches (head_dim %d, %s); "
-                "the reference codec codes them with torch ops on the GPU, several times "
-                "slower", codec.head_dim, caches.tensors[0].dtype)
+                "turbowire: the Triton kernels do not serve these caches (head_dim %d, %s: "
+                "they code head_dim 64, 128, 256); the reference codec codes them chunk by "
+                "chunk with torch ops on the GPU, orders of magnitude slower (seconds for a "
+                "long prompt)", codec.head_dim, caches.tensors[0].dtype)
     if kind == "cuda" and (geometry.state_groups or geometry.has_latent):
         raise ValueError("the CUDA coder serves K/V attention layers only; this model has "
                          "Mamba / linear-attention state layers or MLA latents (the host "
