@@ -27,9 +27,9 @@ Enabling it (LMCache 0.5.6)
 
 Serde options (everything in the ``"serde"`` object except ``"type"``):
 
-- ``head_dim`` (int, required): the model's head size (64, 128 or 256); the number of KV heads is
-  the chunk's hidden size divided by it. A wrong value is not always detectable, so there is no
-  default.
+- ``head_dim`` (int, required): the model's head size (a multiple of 8 up to 1024); the number
+  of KV heads is the chunk's hidden size divided by it. A wrong value is not always detectable,
+  so there is no default.
 - ``preset`` (str, default ``"tq4"``): a turbowire preset (``turbowire presets`` lists them;
   ``raw`` keeps the bytes exact).
 - ``max_workers`` (int, default 1): threads serializing/deserializing in parallel.
