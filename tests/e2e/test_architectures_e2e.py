@@ -14,6 +14,9 @@ slide:
   leaves (its null block takes their place in both engines' tables), so only the blocks still
   in the window move, and the decode engine never writes its null block.
 
+* The Phi-3-style model's heads are 96 wide, not a power of two: ``tq4``'s rotated streams pad
+  each head to 128 (the reference codec codes it; the C codec takes 64, 128, 256).
+
 * The hybrids (Qwen3-Next-style gated delta net, Granite-4-style Mamba-2) put their state
   layers in a group of their own (vLLM's ``MambaSpec``): the attention layers' blocks move
   coded, each state layer's state moves raw, one state chunk per layer, taken from the block
