@@ -185,8 +185,9 @@ def ensure_tiny_eagle(target: Path, root: Path | None = None) -> Path:
 
 
 # Tiny random models of other architectures, for the model-coverage e2e tests: each keeps the
-# tiny Llama's tokenizer and KV geometry (2 KV heads x head_dim 64) and changes what the
-# connector has to handle (sliding-window layers, another attention module).
+# tiny Llama's tokenizer and KV geometry (2 KV heads x head_dim 64; the Phi-3-style one's heads
+# are 96 wide) and changes what the connector has to handle (sliding-window layers, another
+# attention module, a head size not a power of two).
 TINY_WINDOW = 64  # tokens: shorter than the e2e prompts, so the windows really slide
 TINY_ARCHITECTURES: dict[str, str] = {
     "llama": "Llama: full attention on every layer (the default e2e model)",
