@@ -91,8 +91,18 @@ class NixlTransfer:
     _state: TransferState = TransferState.PENDING
 
     def state(self) -> TransferState:
+        """PENDING until NIXL reports DONE; any other answer, or an error raised while asking
+        (``nixlRemoteDisconnectError`` once the peer died), is FAILED: never raised into the
+        loader, which asks while it tears a failed load down (vLLM's NixlConnector counts such
+        an error as a failed transfer too)."""
         if self._state is TransferState.PENDING:
-            raw = self.agent.check_xfer_state(self.handle)
+            try:
+                raw = self.agent.check_xfer_state(self.handle)
+            except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+                logger.warning("NIXL transfer state: %s: %s (counted as failed)",
+                               type(exc).__name__, exc)
+                self._state = TransferState.FAILED
+                return self._state
             if raw == "DONE":
                 self._state = TransferState.DONE
             elif raw != "PROC":
